@@ -1,0 +1,77 @@
+"""Extraction backends behind one interface.
+
+A backend consumes token-id sequences and produces, per sample, hidden states
+``[T, L, H]`` for the configured layer ids in the job's convention (id k =
+residual stream after k decoder layers, N = last layer before the final
+norm), possibly in several row chunks. The HF transformers backend is the
+correctness oracle; the vLLM backend is the production path.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from job.model import ModelInfo
+from job.settings import JobSettings
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInput:
+    key: int  # unique per run; results refer to it, never to positions
+    input_ids: np.ndarray  # int32 [T]
+
+
+@dataclass(slots=True)
+class HiddenChunk:
+    key: int
+    start: int  # first token row of ``rows`` within the sample
+    rows: torch.Tensor  # [n, L, H] on the CPU, contiguous, in the storage dtype
+    scales: torch.Tensor | None  # fp8 storage: float32 [n, L]
+    last: bool  # the sample is complete with this chunk
+    nonfinite: bool  # NaN/Inf seen in these rows
+    release: Callable[[], None] | None = None  # frees the backend's buffer once written
+
+
+class Backend(ABC):
+    name: str
+
+    @property
+    @abstractmethod
+    def info(self) -> dict[str, Any]:
+        """What produced the data (recorded in shards and the manifest)."""
+
+    @abstractmethod
+    def extract(self, inputs: Iterator[BackendInput]) -> Iterator[HiddenChunk]:
+        """Hidden states for every input, in any order, chunk by chunk."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Free devices and worker processes."""
+
+
+def create_backend(settings: JobSettings, model: ModelInfo, layer_ids: list[int], storage: str) -> Backend:
+    if settings.backend.name == "hf":
+        from job.backends.hf import HFBackend
+
+        return HFBackend(model, layer_ids, settings.backend.device, storage)
+    from job.backends.vllm import VllmBackend
+
+    return VllmBackend(settings, model, layer_ids, storage)
+
+
+def extract_all(backend: Backend, sequences: list[np.ndarray]) -> list[torch.Tensor]:
+    """Convenience for tests and comparisons: full ``[T, L, H]`` per sequence."""
+    out: list[list[HiddenChunk]] = [[] for _ in sequences]
+    inputs = (BackendInput(i, np.asarray(s, np.int32)) for i, s in enumerate(sequences))
+    for chunk in backend.extract(inputs):
+        out[chunk.key].append(
+            HiddenChunk(chunk.key, chunk.start, chunk.rows.clone(), chunk.scales, chunk.last, chunk.nonfinite)
+        )
+        if chunk.release is not None:
+            chunk.release()
+    return [torch.cat([c.rows for c in sorted(chunks, key=lambda c: c.start)]) for chunks in out]

@@ -1,0 +1,81 @@
+"""Command line: ``python -m job [run|config|plan|inspect] [--config FILE] [--key.sub=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import yaml
+
+from job.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, ConfigError, JobError
+from job.logs import configure_logging, get_logger
+from job.settings import JobSettings, load_settings, settings_dump
+
+COMMANDS = {
+    "run": "extract hidden states for this work index (the default)",
+    "config": "print the effective settings (secrets redacted) and exit",
+    "plan": "read and tokenize the data; print samples, tokens, bytes and shards for this index",
+    "inspect": "summarize a shard file or an output directory",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m job",
+        description="EAGLE-3 draft-training data: hidden states from a target model's prefill.",
+        epilog="Any setting can be given as --section.key=value, e.g. --output.uri=s3://bucket/run1 "
+        "(environment: JOB_OUTPUT__URI). `python -m job config` lists them all.",
+    )
+    parser.add_argument("command", nargs="?", default="run", choices=list(COMMANDS))
+    parser.add_argument("path", nargs="?", help="inspect: shard file or output directory")
+    parser.add_argument("--config", help="YAML settings file (over config/default.yaml)")
+    parser.add_argument("--verify", action="store_true", help="inspect: recompute shard checksums")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, overrides = _parser().parse_known_args(argv)
+    try:
+        if args.command == "inspect":
+            from job.inspect import inspect_path
+
+            if not args.path:
+                raise ConfigError("inspect needs a PATH (a shard file or an output directory)")
+            print(inspect_path(args.path, verify=args.verify))
+            return EXIT_OK
+        settings = load_settings(args.config, overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.command == "config":
+        print(yaml.safe_dump(settings_dump(settings), sort_keys=False, allow_unicode=True), end="")
+        return EXIT_OK
+    configure_logging(settings.log)
+    return _run_command(args.command, settings)
+
+
+def _run_command(command: str, settings: JobSettings) -> int:
+    log = get_logger()
+    try:
+        if command == "plan":
+            from job.plan import plan_index
+
+            print(plan_index(settings))
+            return EXIT_OK
+        from job.runner import run_job
+
+        run_job(settings)
+        return EXIT_OK
+    except JobError as exc:
+        log.error("job_error", error=str(exc), exit_code=exc.exit_code)
+        if exc.exit_code == EXIT_CONFIG:
+            print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Exception as exc:
+        log.exception("job_crashed", error=f"{type(exc).__name__}: {exc}")
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

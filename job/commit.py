@@ -1,0 +1,148 @@
+"""Commit finished shards in the background, then record them in the manifest.
+
+Order per shard: (repack without failed samples) -> fsync -> checksum ->
+``store.commit_shard`` (rename / verified upload) -> manifest rewrite. A crash
+anywhere before the manifest rewrite leaves an unlisted shard that the next
+run discards, so no sample is ever listed twice or lost.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from job.checksum import ALGORITHM, crc64nvme_file
+from job.manifest import Checksum, Manifest, ShardEntry
+from job.shards.writer import FinishedShard, ShardContext, ShardPlan, ShardWriter
+from job.storage.base import IndexStore
+
+_STOP = object()
+
+
+class Committer:
+    def __init__(
+        self,
+        store: IndexStore,
+        manifest: Manifest,
+        manifest_version: str | None,
+        context: ShardContext,
+        on_rejected: Callable[[str, str], None],
+        log: object,
+    ) -> None:
+        self.store = store
+        self.manifest = manifest
+        self._version = manifest_version
+        self._context = context
+        self._on_rejected = on_rejected
+        self._log = log
+        self._queue: queue.Queue[object] = queue.Queue()
+        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.committed_samples = 0
+        self._thread = threading.Thread(target=self._run, name="shard-committer", daemon=True)
+        self._thread.start()
+
+    def submit(self, finished: FinishedShard) -> None:
+        self._queue.put(finished)
+
+    def close(self) -> None:
+        """Finish every submitted shard, then stop; raises the first commit error."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join()
+        self.store.drain()
+        if self.error is not None:
+            raise self.error
+
+    def write_manifest(self, complete: bool = False, rejected: int | None = None) -> None:
+        with self._lock:
+            if rejected is not None:
+                self.manifest.counts.rejected = rejected
+            self.manifest.complete = complete
+            self._version = self.store.write_manifest(self.manifest.to_bytes(), self._version)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not _STOP:
+            if self.error is not None:
+                continue  # drain; the run is failing
+            try:
+                assert isinstance(item, FinishedShard)
+                self._commit(item)
+            except BaseException as exc:
+                self.error = exc
+
+    def _commit(self, finished: FinishedShard) -> None:
+        plan, path = finished.plan, finished.path
+        if finished.failed:
+            for pos, reason in sorted(finished.failed.items()):
+                self._on_rejected(plan.samples[pos].sample_id, reason)
+            kept = [s for i, s in enumerate(plan.samples) if i not in finished.failed]
+            if not kept:
+                path.unlink(missing_ok=True)
+                return
+            path = _repack(path, plan, kept, self._context)
+            plan = ShardPlan(plan.number, kept)
+        with path.open("rb+") as f:
+            os.fsync(f.fileno())
+        checksum = crc64nvme_file(path)
+        committed = self.store.commit_shard(path, plan.name, checksum)
+        entry = ShardEntry(
+            name=committed.name,
+            num_samples=len(plan.samples),
+            num_tokens=plan.num_tokens,
+            bytes=committed.bytes,
+            checksum=Checksum(algorithm=ALGORITHM, value=committed.checksum),
+            sample_ids=[s.sample_id for s in plan.samples],
+            num_truncated=sum(s.truncated for s in plan.samples),
+        )
+        with self._lock:
+            self.manifest.shards.append(entry)
+            counts = self.manifest.counts
+            counts.written += entry.num_samples
+            counts.truncated += entry.num_truncated
+            self.committed_samples = counts.written
+        self.write_manifest()
+        self._log.info(  # type: ignore[attr-defined]
+            "shard_committed",
+            shard=entry.name,
+            samples=entry.num_samples,
+            tokens=entry.num_tokens,
+            bytes=entry.bytes,
+            checksum=entry.checksum.value,
+        )
+
+
+def _repack(path: Path, plan: ShardPlan, kept: list, context: ShardContext) -> Path:
+    """Copy the kept samples' rows of ``path`` into a fresh shard file."""
+    from safetensors import safe_open
+
+    old_offsets = np.zeros(len(plan.samples) + 1, np.int64)
+    np.cumsum([s.num_tokens for s in plan.samples], out=old_offsets[1:])
+    position = {s.sample_id: i for i, s in enumerate(plan.samples)}
+    target = path.with_name(path.name + ".repack")
+    finished: list[FinishedShard] = []
+    writer = ShardWriter(context, lambda _name: target, finished.append)
+    keys = writer.open(ShardPlan(plan.number, kept), 0)
+    with safe_open(str(path), framework="pt") as src:
+        hidden = src.get_slice("hidden_states")
+        scales = src.get_slice("hidden_states_scale") if "hidden_states_scale" in src.keys() else None  # noqa: SIM118
+        for key, sample in zip(keys, kept, strict=True):
+            i = position[sample.sample_id]
+            a, b = int(old_offsets[i]), int(old_offsets[i + 1])
+            rows = hidden[a:b].contiguous()
+            writer.write_rows(
+                key,
+                0,
+                rows.view(torch.uint8).numpy().data,
+                None if scales is None else scales[a:b].contiguous().numpy().tobytes(),
+            )
+            writer.finish_sample(key)
+    path.unlink()
+    assert finished, "repacked shard did not complete"
+    return target

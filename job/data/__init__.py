@@ -1,0 +1,1 @@
+"""Reading, validating, tokenizing and splitting the input data."""

@@ -1,0 +1,164 @@
+"""Tokenize ahead of the backend, in the background, in input order.
+
+A reader thread pulls raw records, keeps the ones this work index owns and
+has not written yet, and hands chunks to tokenizer processes (or tokenizes
+itself when ``workers == 0``). Results wait in a bounded queue, so memory
+stays flat whatever the data set's size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from typing import Any
+
+from job.data.encode import EncodedSample, EncoderSpec, RejectedSample, SampleEncoder
+from job.data.source import Record
+from job.data.split import owner_index
+
+CHUNK = 32
+_DONE = object()
+
+_worker_encoder: SampleEncoder | None = None
+
+
+def _init_worker(spec: EncoderSpec) -> None:
+    global _worker_encoder
+    _worker_encoder = SampleEncoder(spec)
+
+
+def _encode_chunk(
+    chunk: list[tuple[str, dict[str, Any] | None, str | None]],
+) -> list[EncodedSample | RejectedSample]:
+    assert _worker_encoder is not None
+    return [_worker_encoder.encode(*item) for item in chunk]
+
+
+@dataclass
+class StreamStats:
+    records_seen: int = 0  # all records read (every index)
+    owned: int = 0  # records this index owns
+    skipped_done: int = 0  # owned, already in a committed shard
+    bytes_done: int = 0
+    duplicates: int = 0
+    seen_ids: set[str] = field(default_factory=set)
+
+
+class EncodedStream:
+    """Iterate over EncodedSample | RejectedSample for one work index."""
+
+    def __init__(
+        self,
+        records: Iterator[Record],
+        spec: EncoderSpec,
+        *,
+        index: int,
+        count: int,
+        done_ids: set[str],
+        workers: int,
+        prefetch: int,
+    ) -> None:
+        self.stats = StreamStats()
+        self._records = records
+        self._spec = spec
+        self._index, self._count = index, count
+        self._done_ids = done_ids
+        self._workers = workers
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, prefetch // CHUNK))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name="tokenizer-feed", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                self._queue.get(timeout=0.1)
+        self._thread.join()
+
+    def __iter__(self) -> Iterator[EncodedSample | RejectedSample]:
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield from item
+
+    def _owned_chunks(self) -> Iterator[list[tuple[str, dict[str, Any] | None, str | None]]]:
+        chunk: list[tuple[str, dict[str, Any] | None, str | None]] = []
+        stats = self.stats
+        for record in self._records:
+            stats.records_seen += 1
+            stats.bytes_done = record.bytes_done
+            if self._count > 1 and owner_index(record.sample_id, self._count) != self._index:
+                continue
+            stats.owned += 1
+            if record.sample_id in self._done_ids:
+                stats.skipped_done += 1
+                continue
+            if record.sample_id in stats.seen_ids:
+                stats.duplicates += 1
+                chunk.append(
+                    (record.sample_id, None, "duplicate sample id: an earlier record has the same id")
+                )
+            else:
+                stats.seen_ids.add(record.sample_id)
+                chunk.append((record.sample_id, record.value, record.error))
+            if len(chunk) >= CHUNK:
+                yield chunk
+                chunk = []
+            if self._stop.is_set():
+                return
+        if chunk:
+            yield chunk
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _produce(self) -> None:
+        try:
+            if self._workers == 0:
+                encoder = SampleEncoder(self._spec)
+                self._run(lambda chunk: _completed([encoder.encode(*i) for i in chunk]))
+            else:
+                with ProcessPoolExecutor(
+                    self._workers,
+                    mp_context=get_context("spawn"),
+                    initializer=_init_worker,
+                    initargs=(self._spec,),
+                ) as pool:
+                    self._run(lambda chunk: pool.submit(_encode_chunk, chunk))
+            self._put(_DONE)
+        except BaseException as exc:  # surfaced in the consumer's thread
+            self._put(exc)
+
+    def _run(self, submit: Callable[[list[Any]], Future[list[Any]]]) -> None:
+        window: deque[Future[list[Any]]] = deque()
+        limit = max(2, 2 * max(self._workers, 1))
+        for chunk in self._owned_chunks():
+            window.append(submit(chunk))
+            while len(window) >= limit or (window and window[0].done()):
+                if not self._put(window.popleft().result()):
+                    return
+        while window:
+            if not self._put(window.popleft().result()):
+                return
+
+
+def _completed(value: list[Any]) -> Future[list[Any]]:
+    future: Future[list[Any]] = Future()
+    future.set_result(value)
+    return future

@@ -1,0 +1,34 @@
+"""Exit codes and the errors that map onto them.
+
+The codes are part of the job's contract: Kubernetes' podFailurePolicy uses
+EXIT_CONFIG to stop retrying an index that can never succeed.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILURE = 1  # unexpected failure; a retry may succeed (and resumes)
+EXIT_CONFIG = 2  # settings, model, data path or output unusable: fix them, retrying won't help
+EXIT_TERMINATED = 143  # SIGTERM honoured: committed work is consistent, a rerun resumes
+
+
+class JobError(Exception):
+    """An error with a message meant for the user and an exit code."""
+
+    exit_code = EXIT_FAILURE
+
+
+class ConfigError(JobError):
+    """Something the user must change before the job can run."""
+
+    exit_code = EXIT_CONFIG
+
+
+class StorageError(JobError):
+    """The output storage failed in a way retries did not fix."""
+
+
+class Terminated(JobError):
+    """The job was asked to stop (SIGTERM) and stopped cleanly."""
+
+    exit_code = EXIT_TERMINATED

@@ -1,0 +1,137 @@
+"""Structured logging: JSON lines on stdout (console renderer on a TTY) and the
+same JSON events in a file that the output sink ships to ``index-*/logs/``.
+
+Library logs (vLLM, transformers, botocore) are routed through the same chain,
+and every string is scrubbed of the secret values found in the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+import structlog
+
+from job.settings import LogSettings
+
+# Values of these variables never appear in logs, whatever logged them.
+SECRET_ENV_VARS = (
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_ACCESS_KEY_ID",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+)
+
+
+class _SecretScrubber:
+    def __init__(self) -> None:
+        self.refresh()
+
+    def refresh(self) -> None:
+        values = {os.environ.get(name, "") for name in SECRET_ENV_VARS}
+        self.values = sorted((v for v in values if len(v) >= 4), key=len, reverse=True)
+
+    def scrub(self, value: Any) -> Any:
+        if isinstance(value, str):
+            for secret in self.values:
+                if secret in value:
+                    value = value.replace(secret, "***")
+            return value
+        if isinstance(value, dict):
+            return {k: self.scrub(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.scrub(v) for v in value]
+        return value
+
+    def __call__(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+        return {k: self.scrub(v) for k, v in event_dict.items()}
+
+
+class _FileTee:
+    """Appends each event, as one JSON line, to the current log file (if any)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._file: IO[str] | None = None
+        self.path: Path | None = None
+
+    def open(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+            self._file = path.open("a", encoding="utf-8")
+            self.path = path
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+            self._file = None
+
+    def __call__(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+        if self._file is not None:
+            line = json.dumps({k: v for k, v in event_dict.items() if not k.startswith("_")}, default=str)
+            with self._lock:
+                if self._file is not None:
+                    self._file.write(line + "\n")
+        return event_dict
+
+
+scrubber = _SecretScrubber()
+log_file = _FileTee()
+
+
+def configure_logging(settings: LogSettings, stream: IO[str] | None = None) -> None:
+    """Configure structlog and the stdlib root logger once per process."""
+    stream = stream or sys.stdout
+    scrubber.refresh()
+    use_console = settings.format == "console" or (settings.format == "auto" and stream.isatty())
+    level = getattr(logging, settings.level.upper())
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.dict_tracebacks,
+        scrubber,
+        log_file,
+    ]
+    renderer: Any = (
+        structlog.dev.ConsoleRenderer(colors=False)
+        if use_console
+        else structlog.processors.JSONRenderer(default=str)
+    )
+    structlog.configure(
+        processors=[*shared, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
+        cache_logger_on_first_use=False,
+    )
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(level, logging.INFO))
+    # vLLM installs its own handlers unless told not to; ours render its records.
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+
+def get_logger(**context: Any) -> Any:
+    return structlog.get_logger().bind(**context)

@@ -1,0 +1,103 @@
+"""``index-*/manifest.json``: the commit record of one work index.
+
+Only shards listed here exist as far as any reader or resumed run is
+concerned. It is rewritten (atomically, compare-and-swap on S3) after every
+shard commit and once more at the end with ``complete: true``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from job.errors import ConfigError
+
+MANIFEST_VERSION = 1
+
+
+class Checksum(BaseModel):
+    algorithm: str
+    value: str
+
+
+class ShardEntry(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    num_samples: int
+    num_tokens: int
+    bytes: int
+    checksum: Checksum
+    sample_ids: list[str]
+    num_truncated: int = 0
+
+
+class Counts(BaseModel):
+    written: int = 0
+    rejected: int = 0
+    truncated: int = 0
+
+
+class Identity(BaseModel):
+    """What must match for a run to resume (append to) an existing index."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_config_hash: str
+    layer_ids: list[int]
+    storage: str
+    data_fingerprint: str
+    data_format: str
+    max_length: int
+    too_long: str
+    tokenizer_fingerprint: str
+    work_index: int
+    work_count: int
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    format_version: int = MANIFEST_VERSION
+    complete: bool = False
+    identity: Identity
+    model_name: str
+    model_path: str
+    hidden_size: int
+    dtype: str
+    layer_convention: str
+    final_layer_prenorm: bool
+    backend: dict[str, Any]
+    shards: list[ShardEntry] = Field(default_factory=list)
+    counts: Counts = Field(default_factory=Counts)
+    run_ids: list[str] = Field(default_factory=list)
+    updated_at: str = ""
+
+    def done_sample_ids(self) -> set[str]:
+        return {sid for shard in self.shards for sid in shard.sample_ids}
+
+    def to_bytes(self) -> bytes:
+        self.updated_at = datetime.now(UTC).isoformat(timespec="seconds")
+        return json.dumps(self.model_dump(mode="json"), indent=1).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> Manifest:
+        try:
+            return cls.model_validate_json(data)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{where}: manifest.json is not a manifest this job understands ({exc}); use a new output.uri"
+            ) from None
+
+    def check_resumable(self, identity: Identity, where: str) -> None:
+        if self.identity == identity:
+            return
+        old, new = self.identity.model_dump(), identity.model_dump()
+        changed = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in new if old.get(k) != new[k])
+        raise ConfigError(
+            f"{where} was written with different settings or data ({changed}); "
+            "resume needs the same ones, or use a new output.uri"
+        )

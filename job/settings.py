@@ -1,0 +1,307 @@
+"""The job's one settings model.
+
+Sources, strongest first: CLI flags (``--output.uri=...``) > environment
+(``JOB_`` prefix, ``__`` for nesting: ``JOB_OUTPUT__URI``) > the YAML file given
+by ``--config`` > ``config/default.yaml``. Unknown keys are errors everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from job.errors import ConfigError
+
+
+def config_dir() -> Path:
+    """The directory holding default.yaml, adapters.yaml and the examples.
+
+    A wheel carries it as ``job/_config``; a source checkout has it at ``config/``.
+    """
+    packaged = Path(__file__).parent / "_config"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parent.parent / "config"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ModelSettings(Section):
+    path: str = Field(
+        "builtin:tiny-llama",
+        description="Local model directory, hub id, or builtin:tiny-llama / builtin:tiny-deepseek-v3",
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+
+class LayerSettings(Section):
+    ids: list[int] | None = Field(
+        None,
+        description="Layer ids (0 = embeddings, N = last layer before the final norm); "
+        "omitted: EAGLE-3 default [2, N//2, N-3, N]",
+    )
+
+    @field_validator("ids")
+    @classmethod
+    def _unique(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None:
+            if not ids:
+                raise ValueError("give at least one layer id, or omit layers.ids for the default")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"layer ids must be unique, got {ids}")
+        return ids
+
+
+class DataSettings(Section):
+    path: str = Field("builtin:examples", description="JSONL/Parquet file or directory")
+    format: Literal["auto", "sharegpt", "openai", "tokenized"] = "auto"
+    max_length: PositiveInt = 2048
+    too_long: Literal["truncate", "skip"] = "truncate"
+    chat_template: str | None = Field(
+        None, description="Path to a Jinja chat template replacing the tokenizer's own"
+    )
+    tokenizer_workers: NonNegativeInt = Field(
+        1, description="Tokenizer processes; 0 tokenizes in a background thread"
+    )
+    prefetch_samples: PositiveInt = Field(
+        2048, description="How many tokenized samples may wait ahead of the backend"
+    )
+
+
+class VllmSettings(Section):
+    max_num_batched_tokens: PositiveInt = 16384
+    max_num_seqs: PositiveInt = 128
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    enforce_eager: bool = True
+    attention_backend: str | None = None
+    max_model_len: PositiveInt | None = Field(None, description="Defaults to data.max_length")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Extra vllm EngineArgs, passed through"
+    )
+    adapter_set: str | None = Field(None, description="Force an adapter set by name")
+    allow_nearest_adapter: bool = Field(
+        False, description="Run an unsupported vLLM version with the nearest adapter set"
+    )
+    capture_slots: int = Field(
+        4, ge=2, description="Host buffers (one step each) between the TP rank-0 worker and the writer"
+    )
+
+    @field_validator("enforce_eager")
+    @classmethod
+    def _eager(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError(
+                "hidden-state capture hooks do not run inside CUDA graphs or torch.compile "
+                "graphs; keep backend.vllm.enforce_eager: true"
+            )
+        return value
+
+
+class BackendSettings(Section):
+    name: Literal["hf", "vllm"] = "hf"
+    tensor_parallel_size: PositiveInt = 1
+    device: str = Field("auto", description="hf backend: cpu, cuda, cuda:N or auto")
+    vllm: VllmSettings = Field(default_factory=VllmSettings)
+
+
+class OutputSettings(Section):
+    uri: str = Field("./out", description="Local path, file:// or s3:// URI")
+    shard_bytes: ByteSize = Field(ByteSize(2 * 1024**3), description="Target shard size")
+
+    @field_validator("shard_bytes")
+    @classmethod
+    def _min_shard(cls, value: ByteSize) -> ByteSize:
+        if value < 4096:
+            raise ValueError(f"{int(value)} bytes is too small for a shard; use at least 4KiB")
+        return value
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment {name}={raw!r} is not an integer") from None
+
+
+class WorkSettings(Section):
+    index: NonNegativeInt = Field(
+        default_factory=lambda: _env_int("JOB_COMPLETION_INDEX", 0),
+        description="This worker's slice; defaults to $JOB_COMPLETION_INDEX",
+    )
+    count: PositiveInt = Field(
+        default_factory=lambda: _env_int("JOB_COMPLETION_COUNT", 1),
+        description="Number of slices; defaults to $JOB_COMPLETION_COUNT",
+    )
+
+    @model_validator(mode="after")
+    def _index_in_range(self) -> WorkSettings:
+        if self.index >= self.count:
+            raise ValueError(f"work.index {self.index} must be below work.count {self.count}")
+        return self
+
+
+class LogSettings(Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+    progress_interval_s: float = Field(10.0, gt=0)
+
+
+@dataclass(frozen=True)
+class _Sources:
+    config_file: Path | None
+    cli_args: Sequence[str]
+
+
+_NO_SOURCES = _Sources(None, ())
+_SOURCES: ContextVar[_Sources] = ContextVar("_SOURCES", default=_NO_SOURCES)  # noqa: B039 - frozen
+
+
+class JobSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="JOB_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+        nested_model_default_partial_update=True,
+    )
+
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    layers: LayerSettings = Field(default_factory=LayerSettings)
+    data: DataSettings = Field(default_factory=DataSettings)
+    backend: BackendSettings = Field(default_factory=BackendSettings)
+    output: OutputSettings = Field(default_factory=OutputSettings)
+    work: WorkSettings = Field(default_factory=WorkSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources = _SOURCES.get()
+        chain: list[PydanticBaseSettingsSource] = [init_settings]
+        if sources.cli_args:
+            chain.append(
+                CliSettingsSource(
+                    settings_cls,
+                    cli_parse_args=list(sources.cli_args),
+                    cli_prog_name="python -m job",
+                    cli_exit_on_error=False,
+                    cli_implicit_flags=False,
+                )
+            )
+        chain.append(env_settings)
+        if sources.config_file is not None:
+            chain.append(YamlConfigSettingsSource(settings_cls, yaml_file=sources.config_file))
+        chain.append(YamlConfigSettingsSource(settings_cls, yaml_file=config_dir() / "default.yaml"))
+        return tuple(chain)
+
+
+def load_settings(config_file: str | Path | None = None, cli_args: Sequence[str] = ()) -> JobSettings:
+    """Build the effective settings or raise ConfigError with one readable line."""
+    path = Path(config_file) if config_file else None
+    if path is not None and not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    token = _SOURCES.set(_Sources(path, tuple(cli_args)))
+    try:
+        return JobSettings()
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None
+    except ConfigError:
+        raise
+    except Exception as exc:  # YAML syntax, CLI parsing: both raise plain errors
+        message = _one_line(str(exc))
+        if "unrecognized arguments:" in message:
+            flags = message.split("unrecognized arguments:", 1)[1].strip()
+            message = f"unknown setting(s) {flags} (`python -m job config` lists every key)"
+        raise ConfigError(f"settings: {message}") from None
+    finally:
+        _SOURCES.reset(token)
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        key = ".".join(str(p) for p in error["loc"]) or "settings"
+        if error["type"] == "extra_forbidden":
+            parent = ".".join(str(p) for p in error["loc"][:-1])
+            allowed = ", ".join(_allowed_keys(parent))
+            parts.append(f"{key}: unknown setting (allowed under {parent or 'top level'}: {allowed})")
+        else:
+            msg = error["msg"].removeprefix("Value error, ")
+            parts.append(f"{key}: {msg} (got {error.get('input')!r})")
+    return "invalid settings: " + "; ".join(parts)
+
+
+def _allowed_keys(dotted: str) -> list[str]:
+    model: type[BaseModel] = JobSettings
+    for name in filter(None, dotted.split(".")):
+        field = model.model_fields.get(name)
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+_SECRET_KEY = re.compile(
+    r"(^|[_-])(token|secret|password|passwd|credentials?|api[_-]?key|access[_-]?key|secret[_-]?key)"
+    r"($|[_-])",
+    re.I,
+)
+_URI_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.I)
+REDACTED = "***"
+
+
+def redact(value: Any, key: str = "") -> Any:
+    """Copy of a settings dump with anything secret-looking replaced."""
+    if key and _SECRET_KEY.search(key) and value not in (None, "", {}, []):
+        return REDACTED
+    if isinstance(value, dict):
+        return {k: redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v) for v in value]
+    if isinstance(value, str):
+        return _URI_USERINFO.sub(rf"\g<scheme>{REDACTED}@", value)
+    return value
+
+
+def settings_dump(settings: JobSettings) -> dict[str, Any]:
+    return redact(settings.model_dump(mode="json"))

@@ -1,0 +1,117 @@
+"""The pinned shard format (format_version 1).
+
+A shard is a safetensors file holding many samples, token-major:
+
+==================  ========  =========  ==========================================
+tensor              dtype     shape      meaning
+==================  ========  =========  ==========================================
+sample_offsets      int64     [S+1]      sample i owns token rows [o[i], o[i+1])
+input_ids           int32     [T]        the prompt tokens
+hidden_states       model     [T, L, H]  layers in ``layer_ids`` order
+loss_mask           uint8     [T]        1 = assistant token (a training target)
+==================  ========  =========  ==========================================
+
+With ``storage: fp8_e4m3`` hidden_states is F8_E4M3 and ``hidden_states_scale``
+(float32 [T, L]) holds per-token, per-layer scales: value = fp8 * scale.
+
+``__metadata__`` (all strings, JSON where structured): format_version,
+sample_ids, layer_ids, layer_convention, final_layer_prenorm, model_path,
+model_name, model_config_hash, model_dtype, dtype, storage, hidden_size,
+num_model_layers, backend, backend_info, data_fingerprint, work_index,
+work_count, run_id, num_truncated.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+FORMAT_VERSION = "1"
+SUFFIX = ".safetensors"
+
+SAFETENSORS_DTYPES = {
+    "bfloat16": ("BF16", 2),
+    "float16": ("F16", 2),
+    "float32": ("F32", 4),
+    "fp8_e4m3": ("F8_E4M3", 1),
+}
+
+
+def shard_name(number: int) -> str:
+    return f"shard-{number:05d}{SUFFIX}"
+
+
+def shard_number(name: str) -> int | None:
+    """The number in ``shard-NNNNN.safetensors`` (also for temporary names), else None."""
+    base = name.rsplit("/", 1)[-1]
+    if not base.startswith("shard-"):
+        return None
+    digits = base[len("shard-") :].split(".", 1)[0]
+    return int(digits) if digits.isdigit() else None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Byte layout of one shard file: header, then tensors at fixed offsets."""
+
+    header: bytes  # the 8-byte length prefix plus the padded JSON header
+    offsets: dict[str, int]  # absolute file offset of each tensor
+    specs: dict[str, TensorSpec]
+    total_bytes: int
+
+    @classmethod
+    def build(
+        cls,
+        num_samples: int,
+        num_tokens: int,
+        num_layers: int,
+        hidden_size: int,
+        storage_dtype: str,
+        metadata: dict[str, str],
+    ) -> ShardLayout:
+        hs_dtype, hs_size = SAFETENSORS_DTYPES[storage_dtype]
+        specs = [TensorSpec("sample_offsets", "I64", (num_samples + 1,), 8)]
+        if storage_dtype == "fp8_e4m3":
+            specs.append(TensorSpec("hidden_states_scale", "F32", (num_tokens, num_layers), 4))
+        specs += [
+            TensorSpec("input_ids", "I32", (num_tokens,), 4),
+            TensorSpec("hidden_states", hs_dtype, (num_tokens, num_layers, hidden_size), hs_size),
+            TensorSpec("loss_mask", "U8", (num_tokens,), 1),
+        ]
+        entries: dict[str, object] = {"__metadata__": metadata}
+        relative: dict[str, int] = {}
+        pos = 0
+        for spec in specs:  # ordered so each tensor is naturally aligned
+            entries[spec.name] = {
+                "dtype": spec.dtype,
+                "shape": list(spec.shape),
+                "data_offsets": [pos, pos + spec.nbytes],
+            }
+            relative[spec.name] = pos
+            pos += spec.nbytes
+        body = json.dumps(entries, separators=(",", ":")).encode()
+        body += b" " * (-len(body) % 8)  # safetensors pads the header to 8 bytes
+        header = struct.pack("<Q", len(body)) + body
+        base = len(header)
+        return cls(
+            header=header,
+            offsets={k: base + v for k, v in relative.items()},
+            specs={s.name: s for s in specs},
+            total_bytes=base + pos,
+        )

@@ -1,0 +1,189 @@
+"""Tiny random models with a real tokenizer and chat template, built locally.
+
+They stand in for a target model wherever no weights may be downloaded: the
+embedded default run, the tests, the GPU smoke runs. Built once per cache
+directory; the build is deterministic (fixed seed, fixed training text).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{% generation %}{{- message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+    "{%- else %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}{{- message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def strip_generation_markers(template: str) -> str:
+    """The same template as most released models ship it: without generation markers."""
+    return template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
+SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<pad>",
+]
+
+_TRAINING_TEXT = [
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.",
+    "Speculative decoding drafts tokens with a small model and verifies them with the target.",
+    "EAGLE-3 fuses low, mid and high level features of the target model's hidden states.",
+    "def prefill(tokens): return model(tokens).hidden_states  # Python 0123456789",
+    "Paris is the capital of France; Berlin is the capital of Germany; Tokyo of Japan.",
+    "Grüße aus Zürich! Ça va? ¿Qué tal? Привет, как дела? こんにちは世界。 你好，世界！ 🚀✨",
+    "system user assistant: You are a helpful assistant. Answer briefly and precisely.",
+    "Shards hold many samples; the manifest is written last; resume happens exactly once.",
+]
+
+# name -> (architecture, chat template, eos token)
+BUILTIN_MODELS = {
+    "tiny-llama": ("llama", LLAMA3_TEMPLATE, "<|eot_id|>"),
+    "tiny-chatml": ("llama", CHATML_TEMPLATE, "<|im_end|>"),
+    "tiny-deepseek-v3": ("deepseek_v3", CHATML_TEMPLATE, "<|im_end|>"),
+}
+_BUILD_VERSION = "3"
+
+
+def cache_root() -> Path:
+    base = os.environ.get("JOB_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "eagle3-extract"
+    )
+    return Path(base)
+
+
+def builtin_model_dir(name: str) -> Path:
+    """Return the directory of builtin model ``name``, building it on first use."""
+    if name not in BUILTIN_MODELS:
+        raise KeyError(name)
+    arch, template, eos = BUILTIN_MODELS[name]
+    key = hashlib.sha256(f"{_BUILD_VERSION}|{name}|{arch}|{template}|{eos}".encode()).hexdigest()
+    target = cache_root() / f"{name}-{key[:12]}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        _build(staging, arch, template, eos)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _build_tokenizer(out: Path, template: str, eos: str) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_TRAINING_TEXT * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token=eos,
+        pad_token="<pad>",
+    )
+    fast.chat_template = template
+    fast.save_pretrained(out)
+    return len(fast)
+
+
+def _build(out: Path, arch: str, template: str, eos: str) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    vocab_used = _build_tokenizer(out, template, eos)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    vocab = 1024
+    assert vocab_used <= vocab
+    common = dict(
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    if arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=8,
+            num_attention_heads=2,  # head_dim 64: the smallest vLLM's CPU attention accepts
+            num_key_value_heads=1,
+            **common,
+        )
+        model = LlamaForCausalLM(config)
+    else:
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        config = DeepseekV3Config(
+            hidden_size=256,
+            intermediate_size=512,
+            moe_intermediate_size=128,
+            num_hidden_layers=8,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            n_shared_experts=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.0,
+            # MLA with DeepSeek-V3's own latent sizes: kernels are specialised for them
+            kv_lora_rank=512,
+            q_lora_rank=128,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+            rope_scaling=None,
+            **common,
+        )
+        model = DeepseekV3ForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
