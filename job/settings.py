@@ -182,7 +182,7 @@ class _Sources:
 
 
 _NO_SOURCES = _Sources(None, ())
-_SOURCES: ContextVar[_Sources] = ContextVar("_SOURCES", default=_NO_SOURCES)  # noqa: B039 - frozen
+_SOURCES: ContextVar[_Sources] = ContextVar("_SOURCES", default=_NO_SOURCES)
 
 
 class JobSettings(BaseSettings):
