@@ -1,0 +1,131 @@
+"""KV-cache set-up: profile free memory, plan the cache, allocate it in the
+workers, and derive the scheduler's block sizes. Each function follows
+``EngineCore._initialize_kv_caches`` (and the block-size lines of
+``EngineCore.__init__``) of its vLLM line, minus elastic-EP and connector paths
+this job never uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class KvCacheSetup:
+    config: Any  # the scheduler's KVCacheConfig
+    block_size: int  # Scheduler(block_size=...)
+    hash_block_size: int  # block hasher / Scheduler(hash_block_size=...)
+
+
+def _available_memory(executor: Any, kv_cache_specs: list[dict[str, Any]]) -> list[int]:
+    if any(kv_cache_specs):
+        return executor.determine_available_memory()
+    return [0] * len(kv_cache_specs)
+
+
+def _sync_max_model_len(executor: Any, vllm_config: Any, before: int) -> None:
+    # Auto-fit may shrink max_model_len while planning; the workers cached the old one.
+    if vllm_config.model_config.max_model_len != before:
+        executor.collective_rpc("update_max_model_len", args=(vllm_config.model_config.max_model_len,))
+
+
+def kv_cache_utils_v016(executor: Any, vllm_config: Any) -> KvCacheSetup:
+    """0.16: get_kv_cache_configs; the workers' ``initialize_cache`` RPC still exists."""
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_kv_cache_configs
+
+    specs = executor.get_kv_cache_specs()
+    available = _available_memory(executor, specs)
+    before = vllm_config.model_config.max_model_len
+    configs = get_kv_cache_configs(vllm_config, specs, available)
+    _sync_max_model_len(executor, vllm_config, before)
+    scheduler_config = generate_scheduler_kv_cache_config(configs)
+    executor.initialize_from_config(configs)  # allocates and warms up
+    vllm_config.cache_config.num_gpu_blocks = scheduler_config.num_blocks
+    vllm_config.cache_config.num_cpu_blocks = 0
+    executor.collective_rpc("initialize_cache", args=(scheduler_config.num_blocks, 0))
+    parallel = vllm_config.parallel_config
+    block_size = (
+        vllm_config.cache_config.block_size
+        * parallel.decode_context_parallel_size
+        * parallel.prefill_context_parallel_size
+    )
+    return KvCacheSetup(scheduler_config, block_size, block_size)
+
+
+def kv_cache_utils_v026(executor: Any, vllm_config: Any) -> KvCacheSetup:
+    """0.26: specs registered first; the cache block size follows the groups;
+    ``initialize_from_config`` still warms up (it stops doing so in 0.27)."""
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        get_kv_cache_capacity,
+        get_kv_cache_configs,
+        resolve_kv_cache_block_sizes,
+    )
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    register_all_kvcache_specs(vllm_config)
+    specs = executor.get_kv_cache_specs()
+    available = _available_memory(executor, specs)
+    before = vllm_config.model_config.max_model_len
+    configs = get_kv_cache_configs(vllm_config, specs, available)
+    _sync_max_model_len(executor, vllm_config, before)
+    scheduler_config = generate_scheduler_kv_cache_config(configs)
+    cache = vllm_config.cache_config
+    cache.num_gpu_blocks = scheduler_config.num_blocks
+    if scheduler_config.kv_cache_groups:
+        cache.block_size = min(g.kv_cache_spec.block_size for g in scheduler_config.kv_cache_groups)
+        cache.kv_cache_size_tokens, cache.kv_cache_max_concurrency = get_kv_cache_capacity(
+            vllm_config, scheduler_config
+        )
+    vllm_config.validate_block_size()
+    executor.initialize_from_config(configs)
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(scheduler_config, vllm_config)
+    return KvCacheSetup(scheduler_config, block_size, hash_block_size)
+
+
+def kv_cache_planning_v033(executor: Any, vllm_config: Any) -> KvCacheSetup:
+    """0.33: planning moved to ``kv_cache_planning`` with global groups; the KV
+    layout is negotiated with the workers; warm-up is a separate call."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        resolve_cache_hit_alignment_tokens,
+        resolve_kv_cache_block_sizes,
+        update_kv_cache_capacity,
+    )
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    register_all_kvcache_specs(vllm_config)
+    specs = executor.get_kv_cache_specs()
+    layout = resolve_kv_cache_layout(
+        vllm_config,
+        executor.get_supported_kv_cache_layouts(),
+        [s for worker_specs in specs for s in worker_specs.values()],
+    )
+    global_groups = get_global_kv_cache_groups(vllm_config, specs)
+    vllm_config.adjust_dcp_kv_cache_interleave_size(global_groups)
+    executor.set_kv_cache_layout(layout.name, vllm_config.parallel_config.cp_kv_cache_interleave_size)
+    available = _available_memory(executor, specs)
+    before = vllm_config.model_config.max_model_len
+    configs = get_kv_cache_configs(vllm_config, specs, available, global_groups)
+    for config in configs:
+        config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+    _sync_max_model_len(executor, vllm_config, before)
+    scheduler_config = generate_scheduler_kv_cache_config(configs)
+    vllm_config.cache_config.num_gpu_blocks = scheduler_config.num_blocks
+    groups = scheduler_config.kv_cache_groups
+    if groups:
+        cacheable = [g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable]
+        vllm_config.cache_config.block_size = min(cacheable or [g.kv_cache_spec.block_size for g in groups])
+        update_kv_cache_capacity(vllm_config, scheduler_config)
+    vllm_config.validate_block_size()
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(scheduler_config, vllm_config)
+    alignment = resolve_cache_hit_alignment_tokens(scheduler_config, vllm_config, block_size, hash_block_size)
+    for config in (*configs, scheduler_config):
+        config.hash_block_size = hash_block_size
+        config.cache_hit_alignment_tokens = alignment
+    executor.initialize_from_config(configs)
+    executor.compile_or_warm_up_model()
+    return KvCacheSetup(scheduler_config, block_size, hash_block_size)

@@ -1,0 +1,210 @@
+"""Shared-memory ring between the TP rank-0 worker (writer) and the driver (reader).
+
+One slot holds one scheduler step: hidden states ``[tokens, L, H]`` in the
+storage dtype (plus FP8 scales), the step's input ids and positions (to verify
+alignment), a per-token finite flag, and a JSON header naming the requests in
+batch order. Large tensors never travel through RPC or pickling: the worker
+copies device -> (pinned) shared memory, the driver writes from that memory
+straight into shard files, then releases the slot.
+
+Control words (int64, separate cache lines): ``published`` = steps the worker
+has made visible (slot = step % slots); ``released`` = steps the driver is
+done with. The worker only reuses a slot once ``released`` has passed it.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+_CONTROL_BYTES = 4096
+_PUBLISHED, _RELEASED, _ERROR = 0, 64, 128
+_HEADER_BYTES = 256 * 1024
+_STORAGE = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
+
+def _align(n: int, to: int = 4096) -> int:
+    return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    path: str
+    slots: int
+    max_tokens: int
+    num_layers: int
+    hidden_size: int
+    storage: str  # bfloat16 | float16 | float32 | fp8_e4m3
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=_STORAGE[self.storage]).element_size()
+
+    @property
+    def fields(self) -> dict[str, tuple[int, int]]:
+        """name -> (offset within a slot, size in bytes)."""
+        t, layers = self.max_tokens, self.num_layers
+        sizes = [
+            ("header", _HEADER_BYTES),
+            ("rows", t * layers * self.hidden_size * self.itemsize),
+            ("scales", t * layers * 4 if self.storage == "fp8_e4m3" else 0),
+            ("input_ids", t * 4),
+            ("positions", t * 4),
+            ("finite", t),
+        ]
+        out, pos = {}, 0
+        for name, size in sizes:
+            out[name] = (pos, size)
+            pos = _align(pos + size, 64)
+        return out
+
+    @property
+    def slot_bytes(self) -> int:
+        offset, size = self.fields["finite"]
+        return _align(offset + size)
+
+    @property
+    def total_bytes(self) -> int:
+        return _CONTROL_BYTES + self.slots * self.slot_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SlotViews:
+    rows: torch.Tensor  # [max_tokens, L, H] storage dtype
+    scales: torch.Tensor | None  # [max_tokens, L] float32
+    input_ids: torch.Tensor  # [max_tokens] int32
+    positions: torch.Tensor  # [max_tokens] int32
+    finite: torch.Tensor  # [max_tokens] uint8
+    header: memoryview
+
+
+class Ring:
+    """Either side's view of the ring file (created by the driver)."""
+
+    def __init__(self, spec: RingSpec, create: bool) -> None:
+        self.spec = spec
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(spec.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, spec.total_bytes)
+            self._mmap = mmap.mmap(fd, spec.total_bytes, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._control = memoryview(self._mmap)[:_CONTROL_BYTES]
+        self.slots = [self._views(i) for i in range(spec.slots)]
+
+    @classmethod
+    def create(cls, directory: str | None, **spec_fields: Any) -> Ring:
+        base = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        path = os.path.join(base, f"eagle3-capture-{os.getpid()}-{os.urandom(4).hex()}")
+        return cls(RingSpec(path=path, **spec_fields), create=True)
+
+    def _views(self, index: int) -> SlotViews:
+        spec = self.spec
+        base = _CONTROL_BYTES + index * spec.slot_bytes
+
+        def field(name: str) -> torch.Tensor:
+            offset, size = spec.fields[name]
+            return self.buffer[base + offset : base + offset + size]
+
+        scales = field("scales")
+        header_offset, header_size = spec.fields["header"]
+        return SlotViews(
+            rows=field("rows")
+            .view(_STORAGE[spec.storage])
+            .view(spec.max_tokens, spec.num_layers, spec.hidden_size),
+            scales=scales.view(torch.float32).view(spec.max_tokens, spec.num_layers)
+            if scales.numel()
+            else None,
+            input_ids=field("input_ids").view(torch.int32),
+            positions=field("positions").view(torch.int32),
+            finite=field("finite"),
+            header=memoryview(self._mmap)[base + header_offset : base + header_offset + header_size],
+        )
+
+    # control words ---------------------------------------------------------
+    def _get(self, offset: int) -> int:
+        return struct.unpack_from("<q", self._control, offset)[0]
+
+    def _set(self, offset: int, value: int) -> None:
+        struct.pack_into("<q", self._control, offset, value)
+
+    @property
+    def published(self) -> int:
+        return self._get(_PUBLISHED)
+
+    @property
+    def released(self) -> int:
+        return self._get(_RELEASED)
+
+    def set_released(self, value: int) -> None:
+        self._set(_RELEASED, value)
+
+    @property
+    def worker_error(self) -> str | None:
+        length = self._get(_ERROR)
+        if not length:
+            return None
+        return bytes(self._control[_ERROR + 8 : _ERROR + 8 + length]).decode(errors="replace")
+
+    def report_error(self, message: str) -> None:
+        data = message.encode()[: _CONTROL_BYTES - _ERROR - 8]
+        self._control[_ERROR + 8 : _ERROR + 8 + len(data)] = data
+        self._set(_ERROR, len(data))
+
+    # worker side -----------------------------------------------------------
+    def wait_free(self, step: int, timeout_s: float) -> SlotViews:
+        """The slot for ``step`` once the driver has released the step that used it."""
+        deadline = time.monotonic() + timeout_s
+        while step - self.released >= self.spec.slots:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"capture ring: slot for step {step} not released in {timeout_s:.0f} s")
+            time.sleep(0.0005)
+        return self.slots[step % self.spec.slots]
+
+    def publish(self, step: int, header: dict[str, Any]) -> None:
+        data = json.dumps(header).encode()
+        slot = self.slots[step % self.spec.slots]
+        if len(data) + 8 > len(slot.header):
+            raise ValueError(f"capture ring: step header of {len(data)} bytes does not fit")
+        struct.pack_into("<q", slot.header, 0, len(data))
+        slot.header[8 : 8 + len(data)] = data
+        self._set(_PUBLISHED, step + 1)
+
+    # driver side -----------------------------------------------------------
+    def read_header(self, step: int) -> dict[str, Any]:
+        slot = self.slots[step % self.spec.slots]
+        (length,) = struct.unpack_from("<q", slot.header, 0)
+        return json.loads(bytes(slot.header[8 : 8 + length]))
+
+    def close(self, unlink: bool) -> None:
+        self.slots = []
+        self._control.release()
+        del self.buffer
+        try:
+            self._mmap.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+            pass
+        if unlink:
+            try:
+                os.unlink(self.spec.path)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,40 @@
+"""The worker extension vLLM mixes into its Worker class (``worker_extension_cls``).
+
+Its methods run inside every TP worker process via ``collective_rpc``. Names
+carry an ``hs_`` prefix: vLLM refuses extensions that shadow Worker attributes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+class HiddenStateCaptureExtension:
+    def hs_install(
+        self, ring_spec: dict[str, Any], layer_ids: list[int], capture_target: str
+    ) -> dict[str, Any]:
+        """Install capture on TP rank 0 (the residual stream is replicated after
+        every layer's all-reduce, so one rank has all of it); other ranks idle."""
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+
+        from adapters.ring import RingSpec
+
+        tp_rank = get_tensor_model_parallel_rank()
+        info: dict[str, Any] = {"tp_rank": tp_rank, "capturing": False}
+        if get_pp_group().world_size != 1:
+            raise RuntimeError("hidden-state capture supports pipeline_parallel_size 1 only")
+        if tp_rank != 0:
+            return info
+        module_name, _, attr = capture_target.partition(":")
+        capture_cls = getattr(importlib.import_module(module_name), attr)
+        capture = capture_cls.install(self, RingSpec(**ring_spec), layer_ids)
+        self._hs_capture = capture
+        info.update(capturing=True, **capture.describe())
+        return info
+
+    def hs_close(self) -> None:
+        capture = getattr(self, "_hs_capture", None)
+        if capture is not None:
+            capture.close()
+            self._hs_capture = None

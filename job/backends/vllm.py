@@ -1,0 +1,284 @@
+"""The production backend: vLLM's v1 internals driven for prefill only.
+
+The driver builds the executor, KV cache and Scheduler itself and feeds it
+hand-built Requests (one sampled token each, prefix caching off, synchronous
+scheduling, chunked prefill on). Everything that differs between vLLM
+releases goes through the adapter set chosen for the installed version.
+Hidden states arrive through a shared-memory ring from the TP rank-0 worker;
+rows are matched to samples by request id and checked against the step's own
+input ids and positions before they are handed on.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from adapters import select_adapter_set
+from adapters.requests import prefill_sampling_params
+from adapters.ring import Ring
+from job.backends import Backend, BackendInput, HiddenChunk
+from job.errors import ConfigError
+from job.logs import get_logger
+from job.model import ModelInfo
+from job.settings import JobSettings
+
+CAPTURE_EXTENSION = "adapters.worker.extension.HiddenStateCaptureExtension"
+# Engine arguments the capture depends on; engine_args may not override them.
+PINNED_ENGINE_ARGS = {
+    "enable_prefix_caching": False,  # a cached prefix is not recomputed: its states would be missing
+    "async_scheduling": False,  # outputs must be visible step by step
+    "enable_chunked_prefill": True,  # long samples span several steps; rows are accumulated per request
+    "enforce_eager": True,  # hooks do not run inside CUDA graphs
+    "skip_tokenizer_init": True,
+    "worker_extension_cls": CAPTURE_EXTENSION,
+}
+
+
+@dataclass
+class _Pending:
+    key: int
+    input_ids: np.ndarray
+    received: int = 0
+
+
+class _Releases:
+    """Slot refcounts; advances the ring's ``released`` word in step order."""
+
+    def __init__(self, ring: Ring) -> None:
+        self._ring = ring
+        self._lock = threading.Lock()
+        self._remaining: dict[int, int] = {}
+        self._next = 0
+
+    def hold(self, step: int, count: int) -> None:
+        with self._lock:
+            self._remaining[step] = count
+            self._advance()
+
+    def release(self, step: int) -> None:
+        with self._lock:
+            self._remaining[step] -= 1
+            self._advance()
+
+    def _advance(self) -> None:
+        while self._remaining.get(self._next) == 0:
+            del self._remaining[self._next]
+            self._next += 1
+        self._ring.set_released(self._next)
+
+
+class VllmBackend(Backend):
+    name = "vllm"
+
+    def __init__(self, settings: JobSettings, model: ModelInfo, layer_ids: list[int], storage: str) -> None:
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        import vllm
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.executor.abstract import Executor
+
+        self.log = get_logger(component="vllm_backend")
+        options = settings.backend.vllm
+        self.vllm_version = vllm.__version__
+        self.adapters = select_adapter_set(
+            self.vllm_version, options.adapter_set, options.allow_nearest_adapter
+        )
+        self.log.info("adapter_selected", vllm_version=self.vllm_version, adapter_set=self.adapters.name)
+        clashes = {
+            k: v
+            for k, v in options.engine_args.items()
+            if k in PINNED_ENGINE_ARGS and PINNED_ENGINE_ARGS[k] != v
+        }
+        if clashes:
+            raise ConfigError(
+                f"backend.vllm.engine_args: {sorted(clashes)} cannot be changed; hidden-state capture "
+                f"needs { ({k: PINNED_ENGINE_ARGS[k] for k in clashes}) }"
+            )
+        engine_kwargs: dict[str, Any] = {
+            "model": str(model.path),
+            "tokenizer": str(model.path),
+            "dtype": model.dtype,
+            "seed": 0,
+            "tensor_parallel_size": settings.backend.tensor_parallel_size,
+            "max_num_batched_tokens": options.max_num_batched_tokens,
+            "max_num_seqs": options.max_num_seqs,
+            "gpu_memory_utilization": options.gpu_memory_utilization,
+            "max_model_len": options.max_model_len or settings.data.max_length + 1,
+            "attention_backend": options.attention_backend,
+            **options.engine_args,
+            **PINNED_ENGINE_ARGS,
+        }
+        try:
+            vllm_config = EngineArgs(**engine_kwargs).create_engine_config()
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"backend.vllm: vLLM rejected the engine arguments: {exc}") from None
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ConfigError(
+                "backend.vllm.engine_args: pipeline_parallel_size must be 1 (use tensor parallelism)"
+            )
+        self.vllm_config = vllm_config
+        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.token_budget = vllm_config.scheduler_config.max_num_batched_tokens
+        self.executor = Executor.get_class(vllm_config)(vllm_config)
+        self.ring = Ring.create(
+            None,
+            slots=options.capture_slots,
+            max_tokens=self.token_budget,
+            num_layers=len(layer_ids),
+            hidden_size=model.hidden_size,
+            storage=storage,
+        )
+        self._closed = False
+        try:
+            infos = self.executor.collective_rpc(
+                "hs_install", args=(self.ring.spec.to_dict(), layer_ids, self.adapters.targets["capture"])
+            )
+            self.capture_info = next(i for i in infos if i["capturing"])
+            self.log.info("capture_installed", **self.capture_info, tp_ranks=len(infos))
+            kv = self.adapters.kv_cache(self.executor, vllm_config)
+            self.scheduler = self.adapters.scheduler(
+                vllm_config, kv.config, kv.block_size, kv.hash_block_size
+            )
+            self.block_hasher = self.adapters.block_hasher(vllm_config, kv.hash_block_size)
+        except BaseException:
+            self.close()
+            raise
+        self.sampling_params = prefill_sampling_params()
+        self.log.info(
+            "vllm_ready",
+            kv_blocks=kv.config.num_blocks,
+            block_size=kv.block_size,
+            max_num_batched_tokens=self.token_budget,
+            max_num_seqs=self.max_num_seqs,
+        )
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return {
+            "backend": "vllm",
+            "vllm_version": self.vllm_version,
+            "adapter_set": self.adapters.name,
+            "tensor_parallel_size": self.vllm_config.parallel_config.tensor_parallel_size,
+            "model_runner": self.capture_info.get("model_runner"),
+        }
+
+    def extract(self, inputs: Iterator[BackendInput]) -> Iterator[HiddenChunk]:
+        source = iter(inputs)
+        exhausted = False
+        pending: dict[str, _Pending] = {}
+        releases = _Releases(self.ring)
+        unscheduled = 0  # prompt tokens added but not yet scheduled
+        executed = taken = 0  # steps run / steps whose slot was read
+        while True:
+            while (
+                not exhausted and len(pending) < 2 * self.max_num_seqs and unscheduled < 2 * self.token_budget
+            ):
+                item = next(source, None)
+                if item is None:
+                    exhausted = True
+                    break
+                request_id = f"s{item.key}"
+                self.scheduler.add_request(
+                    self.adapters.request(
+                        request_id, item.input_ids.tolist(), self.sampling_params, self.block_hasher
+                    )
+                )
+                pending[request_id] = _Pending(item.key, item.input_ids)
+                unscheduled += len(item.input_ids)
+            if self.scheduler.get_num_unfinished_requests() == 0:
+                break
+            # The worker takes slot `executed % slots`; make sure the driver let go of it.
+            while executed - self.ring.released >= self.ring.spec.slots:
+                chunks, taken = self._take(taken, pending, releases)
+                yield from chunks
+                self._check_worker()
+                if not chunks:
+                    time.sleep(0.0005)
+            scheduler_output = self.scheduler.schedule()
+            scheduled = scheduler_output.total_num_scheduled_tokens
+            if scheduled == 0:
+                raise RuntimeError(
+                    f"vLLM scheduled nothing with {len(pending)} requests waiting; the KV cache is too "
+                    "small for the longest sample: raise gpu_memory_utilization or lower data.max_length"
+                )
+            model_output = self.adapters.execution(self.executor, self.scheduler, scheduler_output)
+            self.scheduler.update_from_output(scheduler_output, model_output)
+            executed += 1
+            unscheduled -= scheduled
+            chunks, taken = self._take(taken, pending, releases)
+            yield from chunks
+        while taken < executed:
+            chunks, taken = self._take(taken, pending, releases)
+            yield from chunks
+            self._check_worker()
+            if not chunks:
+                time.sleep(0.0005)
+        if pending:
+            raise RuntimeError(f"{len(pending)} requests finished without all their hidden states")
+
+    def _check_worker(self) -> None:
+        error = self.ring.worker_error
+        if error:
+            raise RuntimeError(f"capture worker failed: {error}")
+
+    def _take(
+        self, taken: int, pending: dict[str, _Pending], releases: _Releases
+    ) -> tuple[list[HiddenChunk], int]:
+        """Chunks of every step the worker has published since ``taken``."""
+        chunks: list[HiddenChunk] = []
+        published = self.ring.published
+        while taken < published:
+            step = taken
+            header = self.ring.read_header(step)
+            slot = self.ring.slots[step % self.ring.spec.slots]
+            releases.hold(step, len(header["reqs"]))
+            positions = slot.positions.numpy()
+            input_ids = slot.input_ids.numpy()
+            finite = slot.finite.numpy()
+            offset = 0
+            for request_id, count in header["reqs"]:
+                state = pending[request_id]
+                start, stop = state.received, state.received + count
+                a, b = offset, offset + count
+                if not (
+                    np.array_equal(positions[a:b], np.arange(start, stop))
+                    and np.array_equal(input_ids[a:b], state.input_ids[start:stop])
+                ):
+                    raise RuntimeError(
+                        f"capture misaligned for request {request_id} at step {step}: tokens {start}..{stop} "
+                        "do not match the step's input ids/positions"
+                    )
+                state.received = stop
+                last = stop == len(state.input_ids)
+                if last:
+                    del pending[request_id]
+                chunks.append(
+                    HiddenChunk(
+                        key=state.key,
+                        start=start,
+                        rows=slot.rows[a:b],
+                        scales=None if slot.scales is None else slot.scales[a:b],
+                        last=last,
+                        nonfinite=not bool(finite[a:b].all()),
+                        release=lambda step=step: releases.release(step),
+                    )
+                )
+                offset = b
+            taken += 1
+        return chunks, taken
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.executor.collective_rpc("hs_close")
+        finally:
+            self.executor.shutdown()
+            self.ring.close(unlink=True)
