@@ -14,6 +14,7 @@ done with. The worker only reuses a slot once ``released`` has passed it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -199,12 +200,9 @@ class Ring:
         self.slots = []
         self._control.release()
         del self.buffer
-        try:
+        # A view may still be alive somewhere; the mapping then goes with the process.
+        with contextlib.suppress(BufferError):
             self._mmap.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes with the process
-            pass
         if unlink:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.spec.path)
-            except FileNotFoundError:
-                pass
