@@ -150,6 +150,9 @@ class VllmBackend(Backend):
             self.close()
             raise
         self.sampling_params = prefill_sampling_params()
+        # Shape of the work done, for logs and tests: steps that batched several
+        # requests, and requests whose prefill was chunked over several steps.
+        self.stats = {"max_requests_per_step": 0, "chunked_requests": 0, "tokens": 0}
         self.log.info(
             "vllm_ready",
             kv_blocks=kv.config.num_blocks,
@@ -221,6 +224,7 @@ class VllmBackend(Backend):
                 time.sleep(0.0005)
         if pending:
             raise RuntimeError(f"{len(pending)} requests finished without all their hidden states")
+        self.log.info("vllm_extract_finished", steps=executed, **self.stats)
 
     def _check_worker(self) -> None:
         error = self.ring.worker_error
@@ -238,6 +242,10 @@ class VllmBackend(Backend):
             header = self.ring.read_header(step)
             slot = self.ring.slots[step % self.ring.spec.slots]
             releases.hold(step, len(header["reqs"]))
+            self.stats["max_requests_per_step"] = max(
+                self.stats["max_requests_per_step"], len(header["reqs"])
+            )
+            self.stats["tokens"] += header["num_tokens"]
             positions = slot.positions.numpy()
             input_ids = slot.input_ids.numpy()
             finite = slot.finite.numpy()
@@ -256,6 +264,8 @@ class VllmBackend(Backend):
                     )
                 state.received = stop
                 last = stop == len(state.input_ids)
+                if start == 0 and not last:
+                    self.stats["chunked_requests"] += 1
                 if last:
                     del pending[request_id]
                 chunks.append(

@@ -1,0 +1,96 @@
+"""End to end with a real vLLM forward (the CPU build in CI): `python -m job run`
+with backend.name=vllm must produce, sample for sample, the HF reference
+backend's hidden states (bf16 tolerance), with batches of several requests and
+prefills chunked over several steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from job.shards import iter_output
+
+if os.environ.get("REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM is not installed in this environment")
+
+pytestmark = pytest.mark.vllm
+
+MAX_REL_ERROR = 2e-2  # per sample and layer, ||a - b|| / ||b||, bf16
+TOKEN_BUDGET = 128  # max_num_batched_tokens: most samples need several steps
+
+
+def _run(args: list[str], cache: Path) -> list[dict]:
+    env = {**os.environ, "JOB_CACHE_DIR": str(cache), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "job", "run", "--log.format=json", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-4000:]
+    events = []
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            events.append(json.loads(line))
+    return events
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
+    root = tmp_path_factory.mktemp("e2e")
+    common = ["--data.max_length=512", "--output.shard_bytes=1MiB"]
+    events = _run(
+        [
+            *common,
+            f"--output.uri={root / 'vllm'}",
+            "--backend.name=vllm",
+            f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}",
+            "--backend.vllm.max_num_seqs=4",
+        ],
+        root / "cache",
+    )
+    _run([*common, f"--output.uri={root / 'hf'}", "--backend.name=hf"], root / "cache")
+    return root / "vllm", root / "hf", events
+
+
+def test_vllm_matches_the_hf_reference(outputs: tuple[Path, Path, list[dict]]) -> None:
+    vllm_dir, hf_dir, _ = outputs
+    reference = {s.sample_id: s for s in iter_output(hf_dir, require_complete=True)}
+    worst = (0.0, "", -1)
+    seen = 0
+    for sample in iter_output(vllm_dir, require_complete=True):
+        ref = reference[sample.sample_id]
+        assert torch.equal(sample.input_ids, ref.input_ids)
+        assert torch.equal(sample.loss_mask, ref.loss_mask)
+        assert sample.hidden_states.shape == ref.hidden_states.shape
+        a, b = sample.hidden_states.float(), ref.hidden_states.float()
+        for j, layer in enumerate(sample.layer_ids):
+            err = ((a[:, j] - b[:, j]).norm() / b[:, j].norm()).item()
+            worst = max(worst, (err, sample.sample_id, layer))
+        seen += 1
+    assert seen == len(reference) > 30
+    print(
+        f"vLLM vs HF: worst relative error {worst[0]:.3e} "
+        f"(sample {worst[1]}, layer {worst[2]}), {seen} samples"
+    )
+    assert worst[0] <= MAX_REL_ERROR, worst
+
+
+def test_batches_held_several_requests_and_long_prefills_were_chunked(
+    outputs: tuple[Path, Path, list[dict]],
+) -> None:
+    _, _, events = outputs
+    selected = next(e for e in events if e["event"] == "adapter_selected")
+    assert selected["adapter_set"] == "vllm-0.16"
+    stats = next(e for e in events if e["event"] == "vllm_extract_finished")
+    assert stats["max_requests_per_step"] >= 2
+    assert stats["chunked_requests"] >= 5
+    longest = max(s.input_ids.shape[0] for s in iter_output(outputs[0]))
+    assert longest > TOKEN_BUDGET
