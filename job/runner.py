@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,14 +132,16 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
-def run_job(settings: JobSettings) -> dict[str, Any]:
+def run_job(settings: JobSettings, backend: Backend | None = None) -> dict[str, Any]:
+    """Run one work index. A caller-provided ``backend`` (benchmarks reuse one
+    engine across runs) is used as is and left open."""
     run_id = new_run_id()
     log = get_logger(run_id=run_id, work_index=settings.work.index)
     plan = prepare(settings)
     store = open_index_store(settings.output, settings.work.index)
     try:
         with _StopFlag() as stop:
-            return _run_index(plan, store, run_id, log, stop)
+            return _run_index(plan, store, run_id, log, stop, backend)
     finally:
         store.close()
 
@@ -164,7 +167,9 @@ def _load_manifest(
     ), None
 
 
-def _run_index(plan: RunPlan, store: IndexStore, run_id: str, log: Any, stop: _StopFlag) -> dict[str, Any]:
+def _run_index(
+    plan: RunPlan, store: IndexStore, run_id: str, log: Any, stop: _StopFlag, given_backend: Backend | None
+) -> dict[str, Any]:
     settings = plan.settings
     manifest, version = _load_manifest(plan, store, {})
     if manifest.complete:
@@ -194,9 +199,10 @@ def _run_index(plan: RunPlan, store: IndexStore, run_id: str, log: Any, stop: _S
     stream: EncodedStream | None = None
     committer: Committer | None = None
     writer: ShardWriter | None = None
+    route: _ChunkRouter | None = None
     status = "failed"
     try:
-        backend = create_backend(settings, plan.model, plan.layer_ids, plan.storage)
+        backend = given_backend or create_backend(settings, plan.model, plan.layer_ids, plan.storage)
         manifest.backend = backend.info
         manifest.run_ids.append(run_id)
         context = ShardContext(
@@ -223,13 +229,16 @@ def _run_index(plan: RunPlan, store: IndexStore, run_id: str, log: Any, stop: _S
             prefetch=settings.data.prefetch_samples,
         )
         progress = Progress(log, settings.log.progress_interval_s, sum(f.size for f in plan.files))
-        route = _ChunkRouter(writer, progress)
+        route = _ChunkRouter(writer, progress, settings.output.writer_threads)
         inputs = _backend_inputs(stream, planner, writer, store, rejections.add, stop)
+        extract_started = time.monotonic()
         for chunk in backend.extract(inputs):
             route(chunk)
             progress.maybe_report(stream.stats.bytes_done, committer.committed_samples, rejections.count)
-            if committer.error is not None:
-                raise committer.error
+            for error in (route.error, committer.error):
+                if error is not None:
+                    raise error
+        route.close()
         if stop.event.is_set():
             abandoned = writer.abandon_open()
             committer.close()
@@ -253,7 +262,8 @@ def _run_index(plan: RunPlan, store: IndexStore, run_id: str, log: Any, stop: _S
         rejections.publish(store)
         committer.write_manifest(complete=True, rejected=rejections.count)
         status = "complete"
-        elapsed = time.monotonic() - started
+        now = time.monotonic()
+        elapsed, extract_seconds = now - started, now - extract_started
         totals = {
             "status": status,
             "written": manifest.counts.written,
@@ -264,6 +274,10 @@ def _run_index(plan: RunPlan, store: IndexStore, run_id: str, log: Any, stop: _S
             "tokens": progress.tokens,
             "seconds": round(elapsed, 3),
             "tok_per_s": round(progress.tokens / elapsed, 1) if elapsed > 0 else None,
+            # from the backend being ready to the last shard committed
+            "extract_seconds": round(extract_seconds, 3),
+            "extract_tok_per_s": round(progress.tokens / extract_seconds, 1) if extract_seconds > 0 else None,
+            "bytes_written": sum(s.bytes for s in manifest.shards),
         }
         log.info("run_finished", **totals)
         return totals
@@ -274,6 +288,8 @@ def _run_index(plan: RunPlan, store: IndexStore, run_id: str, log: Any, stop: _S
     finally:
         if stream is not None:
             stream.close()
+        if route is not None:
+            route.close(raise_error=False)
         if writer is not None:
             writer.abandon_open()
         if committer is not None and status == "failed":
@@ -281,7 +297,7 @@ def _run_index(plan: RunPlan, store: IndexStore, run_id: str, log: Any, stop: _S
                 committer.close()
             except BaseException as exc:
                 log.error("commit_failed", error=f"{type(exc).__name__}: {exc}")
-        if backend is not None:
+        if backend is not None and given_backend is None:
             backend.close()
         rejections.close()
         log_file.flush()
@@ -318,32 +334,69 @@ class _Rejections:
 
 
 class _ChunkRouter:
-    """Backend chunks -> shard rows; a sample with any non-finite row is rejected."""
+    """Backend chunks -> shard rows, written by a small thread pool so the
+    backend's loop never waits on the disk; a sample is finished once all its
+    rows are written, and rejected if any row was non-finite."""
 
     NONFINITE = "non-finite hidden states (NaN or Inf); not written"
+    MAX_IN_FLIGHT = 256  # chunks handed to writer threads but not yet written
 
-    def __init__(self, writer: ShardWriter, progress: Progress) -> None:
+    def __init__(self, writer: ShardWriter, progress: Progress, threads: int) -> None:
         self._writer = writer
         self._progress = progress
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shard-writer")
+        self._slots = threading.BoundedSemaphore(self.MAX_IN_FLIGHT)
+        self._lock = threading.Lock()
+        self._outstanding: dict[int, int] = {}
+        self._complete: set[int] = set()  # keys whose last chunk has arrived
         self._bad: set[int] = set()
+        self.error: BaseException | None = None
 
     def __call__(self, chunk: HiddenChunk) -> None:
-        self._writer.write_rows(
-            chunk.key,
-            chunk.start,
-            chunk.rows.view(torch.uint8).numpy().data,
-            None if chunk.scales is None else chunk.scales.numpy().tobytes(),
-        )
-        if chunk.release is not None:
-            chunk.release()
+        with self._lock:
+            self._outstanding[chunk.key] = self._outstanding.get(chunk.key, 0) + 1
+            if chunk.nonfinite:
+                self._bad.add(chunk.key)
+            if chunk.last:
+                self._complete.add(chunk.key)
         self._progress.tokens += int(chunk.rows.shape[0])
-        if chunk.nonfinite:
-            self._bad.add(chunk.key)
-        if chunk.last:
-            self._progress.samples += 1
-            failed = chunk.key in self._bad
-            self._bad.discard(chunk.key)
-            self._writer.finish_sample(chunk.key, self.NONFINITE if failed else None)
+        self._progress.samples += chunk.last
+        self._slots.acquire()
+        self._pool.submit(self._write, chunk)
+
+    def _write(self, chunk: HiddenChunk) -> None:
+        try:
+            if self.error is None:
+                self._writer.write_rows(
+                    chunk.key,
+                    chunk.start,
+                    chunk.rows.view(torch.uint8).numpy().data,
+                    None if chunk.scales is None else chunk.scales.numpy().tobytes(),
+                )
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            if chunk.release is not None:
+                chunk.release()
+            self._slots.release()
+        with self._lock:
+            self._outstanding[chunk.key] -= 1
+            finished = self._outstanding[chunk.key] == 0 and chunk.key in self._complete
+            if finished:
+                del self._outstanding[chunk.key]
+                self._complete.discard(chunk.key)
+                failed = chunk.key in self._bad
+                self._bad.discard(chunk.key)
+        if finished and self.error is None:
+            try:
+                self._writer.finish_sample(chunk.key, self.NONFINITE if failed else None)
+            except BaseException as exc:
+                self.error = exc
+
+    def close(self, raise_error: bool = True) -> None:
+        self._pool.shutdown(wait=True)
+        if raise_error and self.error is not None:
+            raise self.error
 
 
 def _backend_inputs(

@@ -133,6 +133,7 @@ class BackendSettings(Section):
 class OutputSettings(Section):
     uri: str = Field("./out", description="Local path, file:// or s3:// URI")
     shard_bytes: ByteSize = Field(ByteSize(2 * 1024**3), description="Target shard size")
+    writer_threads: PositiveInt = Field(4, description="Threads writing hidden-state rows into shards")
 
     @field_validator("shard_bytes")
     @classmethod

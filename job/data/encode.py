@@ -68,15 +68,34 @@ def read_chat_template(path: str | None) -> str | None:
 
 class SampleEncoder:
     def __init__(self, spec: EncoderSpec) -> None:
-        from transformers import AutoTokenizer
-
         self.spec = spec
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
-        if spec.chat_template is not None:
-            self.tokenizer.chat_template = spec.chat_template
-        template = self.tokenizer.chat_template
-        self.has_template = isinstance(template, str) and bool(template)
-        self.uses_generation_markers = self.has_template and bool(_GENERATION_MARKER.search(template))
+        self._tokenizer: Any = None
+        self._has_template = self._markers = False
+
+    @property
+    def tokenizer(self) -> Any:
+        """Loaded on first use: pre-tokenized data needs no tokenizer at all."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(self.spec.tokenizer_path)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(
+                    f"model.path: no usable tokenizer at {self.spec.tokenizer_path} ({exc}); "
+                    "conversations need one (pre-tokenized data does not)"
+                ) from None
+            if self.spec.chat_template is not None:
+                tokenizer.chat_template = self.spec.chat_template
+            template = tokenizer.chat_template
+            self._has_template = isinstance(template, str) and bool(template)
+            self._markers = self._has_template and bool(_GENERATION_MARKER.search(template))
+            self._tokenizer = tokenizer
+        return self._tokenizer
+
+    @property
+    def uses_generation_markers(self) -> bool:
+        return self.tokenizer is not None and self._markers
 
     @property
     def mask_method(self) -> str:
@@ -116,7 +135,7 @@ class SampleEncoder:
         return ids.astype(np.int32), mask
 
     def _conversation(self, conv: Conversation) -> tuple[np.ndarray, np.ndarray]:
-        if not self.has_template:
+        if not (self.tokenizer is not None and self._has_template):
             raise ConfigError(
                 f"the tokenizer at {self.spec.tokenizer_path} has no chat template, so conversations "
                 "cannot be tokenized; set data.chat_template to a Jinja template file"
