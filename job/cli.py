@@ -17,6 +17,8 @@ COMMANDS = {
     "config": "print the effective settings (secrets redacted) and exit",
     "plan": "read and tokenize the data; print samples, tokens, bytes and shards for this index",
     "inspect": "summarize a shard file or an output directory",
+    "compare": "compare two outputs sample by sample (PATH = candidate, --reference = e.g. the HF output)",
+    "bench": "throughput benchmark on a GPU (see docs/benchmarks.md)",
 }
 
 
@@ -31,12 +33,28 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("path", nargs="?", help="inspect: shard file or output directory")
     parser.add_argument("--config", help="YAML settings file (over config/default.yaml)")
     parser.add_argument("--verify", action="store_true", help="inspect: recompute shard checksums")
+    parser.add_argument("--reference", help="compare: the reference output directory")
+    parser.add_argument("--tolerance", type=float, default=2e-2, help="compare: max relative error")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["bench"]:
+        from job.bench import main as bench_main
+
+        return bench_main(list(argv[1:]))
     args, overrides = _parser().parse_known_args(argv)
     try:
+        if args.command == "compare":
+            from job.compare import compare_outputs
+
+            if not (args.path and args.reference):
+                raise ConfigError("compare needs PATH (the candidate output) and --reference DIR")
+            result = compare_outputs(args.path, args.reference)
+            print(result.summary(args.tolerance))
+            return EXIT_OK if result.ok(args.tolerance) else EXIT_FAILURE
         if args.command == "inspect":
             from job.inspect import inspect_path
 

@@ -202,6 +202,16 @@ def _run_index(
     route: _ChunkRouter | None = None
     status = "failed"
     try:
+        # Tokenization starts first: it fills its queue while the engine loads.
+        stream = EncodedStream(
+            read_records(plan.files),
+            plan.encoder,
+            index=settings.work.index,
+            count=settings.work.count,
+            done_ids=manifest.done_sample_ids(),
+            workers=settings.data.tokenizer_workers,
+            prefetch=settings.data.prefetch_samples,
+        )
         backend = given_backend or create_backend(settings, plan.model, plan.layer_ids, plan.storage)
         manifest.backend = backend.info
         manifest.run_ids.append(run_id)
@@ -218,15 +228,6 @@ def _run_index(
             int(settings.output.shard_bytes),
             plan.bytes_per_token,
             max((n for name in names if (n := shard_number(name)) is not None), default=-1) + 1,
-        )
-        stream = EncodedStream(
-            read_records(plan.files),
-            plan.encoder,
-            index=settings.work.index,
-            count=settings.work.count,
-            done_ids=manifest.done_sample_ids(),
-            workers=settings.data.tokenizer_workers,
-            prefetch=settings.data.prefetch_samples,
         )
         progress = Progress(log, settings.log.progress_interval_s, sum(f.size for f in plan.files))
         route = _ChunkRouter(writer, progress, settings.output.writer_threads)

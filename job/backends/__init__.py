@@ -58,7 +58,7 @@ def create_backend(settings: JobSettings, model: ModelInfo, layer_ids: list[int]
     if settings.backend.name == "hf":
         from job.backends.hf import HFBackend
 
-        return HFBackend(model, layer_ids, settings.backend.device, storage)
+        return HFBackend.load(model, layer_ids, settings.backend.device, storage)
     from job.backends.vllm import VllmBackend
 
     return VllmBackend(settings, model, layer_ids, storage)

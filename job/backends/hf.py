@@ -29,19 +29,11 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 class HFBackend(Backend):
     name = "hf"
 
-    def __init__(self, model: ModelInfo, layer_ids: list[int], device: str, storage: str) -> None:
-        from transformers import AutoModelForCausalLM
-
+    def __init__(self, model: torch.nn.Module, layer_ids: list[int], storage: str) -> None:
         self.layer_ids = layer_ids
         self.storage = storage
-        self.device = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-        )
-        self.dtype = _DTYPES[model.dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model.path, dtype=self.dtype, trust_remote_code=False
-        ).to(self.device)
-        self.model.eval()
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
         self._captured: dict[int, torch.Tensor] = {}
         layers = decoder_layers(self.model)
         for k in layer_ids:
@@ -49,6 +41,16 @@ class HFBackend(Backend):
                 layers[0].register_forward_pre_hook(self._capture_input, with_kwargs=True)
             else:
                 layers[k - 1].register_forward_hook(self._capture_output(k))
+
+    @classmethod
+    def load(cls, model: ModelInfo, layer_ids: list[int], device: str, storage: str) -> HFBackend:
+        from transformers import AutoModelForCausalLM
+
+        target = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        )
+        loaded = AutoModelForCausalLM.from_pretrained(model.path, dtype=_DTYPES[model.dtype])
+        return cls(loaded.to(target), layer_ids, storage)
 
     def _capture_input(self, _module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._captured[0] = args[0] if args else kwargs["hidden_states"]

@@ -150,6 +150,8 @@ class VllmBackend(Backend):
             self.close()
             raise
         self.sampling_params = prefill_sampling_params()
+        self._executed = self._taken = 0  # steps run / read over the backend's lifetime
+        self._releases = _Releases(self.ring)
         # Shape of the work done, for logs and tests: steps that batched several
         # requests, and requests whose prefill was chunked over several steps.
         self.stats = {"max_requests_per_step": 0, "chunked_requests": 0, "tokens": 0}
@@ -175,9 +177,10 @@ class VllmBackend(Backend):
         source = iter(inputs)
         exhausted = False
         pending: dict[str, _Pending] = {}
-        releases = _Releases(self.ring)
+        releases = self._releases
         unscheduled = 0  # prompt tokens added but not yet scheduled
-        executed = taken = 0  # steps run / steps whose slot was read
+        # Steps run / steps whose ring slot was read: the ring counts across calls.
+        executed, taken = self._executed, self._taken
         while True:
             while (
                 not exhausted and len(pending) < 2 * self.max_num_seqs and unscheduled < 2 * self.token_budget
@@ -213,8 +216,10 @@ class VllmBackend(Backend):
             model_output = self.adapters.execution(self.executor, self.scheduler, scheduler_output)
             self.scheduler.update_from_output(scheduler_output, model_output)
             executed += 1
+            self._executed = executed
             unscheduled -= scheduled
             chunks, taken = self._take(taken, pending, releases)
+            self._taken = taken
             yield from chunks
         while taken < executed:
             chunks, taken = self._take(taken, pending, releases)
@@ -222,9 +227,10 @@ class VllmBackend(Backend):
             self._check_worker()
             if not chunks:
                 time.sleep(0.0005)
+        self._taken = taken
         if pending:
             raise RuntimeError(f"{len(pending)} requests finished without all their hidden states")
-        self.log.info("vllm_extract_finished", steps=executed, **self.stats)
+        self.log.info("vllm_extract_finished", steps=self._executed, **self.stats)
 
     def _check_worker(self) -> None:
         error = self.ring.worker_error

@@ -1,0 +1,662 @@
+"""``python -m job bench``: extraction throughput next to plain vLLM prefill,
+on the same GPU, the same prompts, in one run.
+
+Configurations (each group in its own process, so GPU memory and peak host
+memory are its own):
+
+* ``plain``  vLLM ``LLM.generate``, max_tokens=1, no capture (the ceiling);
+* ``null``   this job's vLLM backend, capture + device-to-host copy, rows dropped;
+* ``job``    this job, writing real shards to local disk (``job_shm``: to /dev/shm);
+* ``native`` vLLM's ``extract_hidden_states`` + ``ExampleHiddenStatesConnector``;
+* ``hf``     the HF reference backend, batch 1, on fewer prompts.
+
+Weights are vLLM's ``load_format="dummy"`` for a real architecture's config.
+The ``job`` group then copies vLLM's weights into an HF model of the same
+config and checks a few written samples against the HF backend (spot check).
+Rows go to ``--out``/results.jsonl; a markdown table and a PNG plot beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+}
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
+}
+MODELS: dict[str, dict[str, Any] | None] = {
+    "llama-3.1-8b": LLAMA_3_1_8B,
+    "qwen3-8b": QWEN3_8B,
+    "tiny-llama": None,  # builtin weights; a CPU smoke run of this script
+}
+GROUPS = {"plain": ["plain"], "job": ["null", "job", "job_shm"], "native": ["native"], "hf": ["hf"]}
+RESULT_TAG = "BENCH_RESULT "
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m job bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
+    ap.add_argument("--groups", default="plain,job,native,hf", help=f"comma list of {sorted(GROUPS)}")
+    ap.add_argument("--num-prompts", type=int, default=500)
+    ap.add_argument("--median-tokens", type=int, default=900)
+    ap.add_argument("--max-tokens", type=int, default=8192)
+    ap.add_argument("--long-prompts", type=int, default=2, help="prompts of --long-tokens (0: none)")
+    ap.add_argument("--long-tokens", type=int, default=32768)
+    ap.add_argument("--hf-prompts", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.7)
+    ap.add_argument("--work-dir", default="/tmp/eagle3-bench")
+    ap.add_argument("--out", default="docs/benchmarks", help="results.jsonl, <run>.md and <run>.png go here")
+    ap.add_argument("--timeout", type=int, default=420, help="seconds per group")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    # Callables reach vLLM's worker processes by pickle (CPU builds always use them).
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    if args.worker:
+        result = WORKERS[args.worker](args)
+        print(RESULT_TAG + json.dumps(result), flush=True)
+        return 0
+    return _orchestrate(args, argv)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _model_dir(args: argparse.Namespace) -> tuple[Path, bool]:
+    """(model directory, uses dummy weights)."""
+    config = MODELS[args.model]
+    if config is None:
+        from job.tiny import builtin_model_dir
+
+        return builtin_model_dir(args.model), False
+    path = Path(args.work_dir) / "models" / args.model
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path, True
+
+
+def _prompts(args: argparse.Namespace, vocab: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(0)
+    lengths = rng.lognormal(math.log(args.median_tokens), 0.8, args.num_prompts)
+    lengths = np.clip(lengths, 64, args.max_tokens).astype(int)
+    regular = [rng.integers(100, vocab - 100, n).astype(np.int32) for n in lengths]
+    long = [
+        rng.integers(100, vocab - 100, args.long_tokens).astype(np.int32) for _ in range(args.long_prompts)
+    ]
+    return regular, long
+
+
+def _write_jsonl(path: Path, prompts: list[np.ndarray], prefix: str) -> None:
+    with path.open("w") as f:
+        for i, p in enumerate(prompts):
+            f.write(json.dumps({"id": f"{prefix}-{i:05d}", "input_ids": p.tolist()}) + "\n")
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+def _orchestrate(args: argparse.Namespace, argv: list[str]) -> int:
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir, dummy = _model_dir(args)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    regular, long = _prompts(args, vocab)
+    _write_jsonl(work / "prompts.jsonl", regular, "p")
+    _write_jsonl(work / "long.jsonl", long, "l")
+    run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    env = _environment()
+    disk = {"work_dir": _dd(work), "dev_shm": _dd(Path("/dev/shm"))} if Path("/dev/shm").is_dir() else {}
+    print(
+        json.dumps(
+            {
+                "event": "bench_inputs",
+                "prompts": len(regular),
+                "tokens": int(sum(map(len, regular))),
+                "long_prompts": len(long),
+                "disk_write_gb_per_s": disk,
+                **env,
+            }
+        ),
+        flush=True,
+    )
+    rows: list[dict[str, Any]] = []
+    log_path = Path(args.out) / f"bench-{args.model}-{run_id}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    for group in [g for g in args.groups.split(",") if g]:
+        cmd = [sys.executable, "-m", "job", "bench", *argv, "--worker", group]
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            output, code = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            output, code = f"{exc.stdout or ''}{exc.stderr or ''}\nTIMEOUT", -1
+        with log_path.open("a") as log:
+            log.write(f"===== group {group} rc={code} ({time.monotonic() - started:.0f} s)\n{output}\n")
+        results = [
+            json.loads(line[len(RESULT_TAG) :]) for line in output.splitlines() if line.startswith(RESULT_TAG)
+        ]
+        if code != 0 or not results:
+            print(
+                json.dumps(
+                    {"event": "bench_group_failed", "group": group, "rc": code, "tail": output[-1500:]}
+                ),
+                flush=True,
+            )
+            continue
+        rows.extend(results[-1]["rows"])
+    plain = {r["prompts"]: r["tok_per_s"] for r in rows if r["config"] == "plain"}
+    for row in rows:
+        base = plain.get(row["prompts"])
+        row["ratio_to_plain"] = round(row["tok_per_s"] / base, 3) if base else None
+        row.update(run_id=run_id, model=args.model, dummy_weights=dummy, **env)
+    _report(args, rows, disk, run_id, argv)
+    return 0 if rows else 1
+
+
+def _environment() -> dict[str, Any]:
+    info: dict[str, Any] = {"tensor_parallel_size": 1}
+    try:
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        info["torch"] = torch.__version__
+    except Exception as exc:  # reported, not fatal: the workers will fail loudly
+        info["gpu"] = f"unknown ({exc})"
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        info["vllm"] = version("vllm")
+    except PackageNotFoundError:
+        info["vllm"] = "not installed"
+    return info
+
+
+def _dd(directory: Path) -> float | None:
+    """Sequential direct-I/O write speed of ``directory`` (GB/s), 2 GiB."""
+    target = directory / "eagle3-bench-dd"
+    try:
+        proc = subprocess.run(
+            ["dd", "if=/dev/zero", f"of={target}", "bs=16M", "count=128", "oflag=direct"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        copied = [line for line in proc.stderr.splitlines() if "copied" in line]
+        # "2147483648 bytes (2.1 GB, 2.0 GiB) copied, 1.23 s, 1.7 GB/s"
+        return (
+            round(128 * 16 * 2**20 / float(copied[0].split(",")[-2].split()[0]) / 1e9, 2) if copied else None
+        )
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+    finally:
+        target.unlink(missing_ok=True)
+
+
+def _report(
+    args: argparse.Namespace, rows: list[dict[str, Any]], disk: dict[str, Any], run_id: str, argv: list[str]
+) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    keys = (
+        "run_id",
+        "config",
+        "model",
+        "gpu",
+        "vllm",
+        "tensor_parallel_size",
+        "tokens",
+        "tok_per_s",
+        "gb_per_s",
+    )
+    with (out / "results.jsonl").open("a") as f:
+        for row in rows:
+            f.write(json.dumps({**{k: row.get(k) for k in keys}, **row}) + "\n")
+    header = (
+        "| config | prompts | tokens | tok/s | × plain | GB/s written | GPU mem GiB | peak RSS GiB | notes |"
+    )
+    lines = [
+        f"### {args.model}, run {run_id}",
+        "",
+        f"`python -m job bench {' '.join(argv)}`  ",
+        f"GPU {rows[0]['gpu'] if rows else '?'}, vLLM {rows[0]['vllm'] if rows else '?'}, "
+        f"disk write (dd, oflag=direct): {disk}",
+        "",
+        header,
+        "|---" * (header.count("|") - 1) + "|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['config']} | {r['prompts']} | {r['tokens']} | {r['tok_per_s']:,.0f} "
+            f"| {r.get('ratio_to_plain') or ''} "
+            f"| {r.get('gb_per_s') or ''} | {r.get('gpu_mem_gib') or ''} | {r.get('peak_rss_gib') or ''} "
+            f"| {r.get('notes', '')} |"
+        )
+    text = "\n".join(lines) + "\n"
+    (out / f"bench-{args.model}-{run_id}.md").write_text(text)
+    print(text, flush=True)
+    _plot(
+        rows, out / f"bench-{args.model}-{run_id}.png", f"{args.model} on {rows[0]['gpu'] if rows else '?'}"
+    )
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    main = [r for r in rows if r["prompts"] == max(x["prompts"] for x in rows)]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bars = ax.bar([r["config"] for r in main], [r["tok_per_s"] for r in main], color="#4a78b5")
+    for bar, r in zip(bars, main, strict=True):
+        label = f"{r['ratio_to_plain']:.3f}×" if r.get("ratio_to_plain") else ""
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    ax.set_ylabel("prompt tokens / s")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def _peak_rss_gib() -> float:
+    """Peak resident memory of this process plus its live children (vLLM's
+    engine-core and worker processes), from the kernel's high-water marks."""
+    total_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            with open(f"/proc/{child.pid}/status") as status:
+                total_kib += next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    except (ImportError, OSError, StopIteration):
+        pass
+    return round(total_kib / 2**20, 2)
+
+
+def _gpu_used_gib() -> float | None:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        free, total = torch.cuda.mem_get_info()
+        return round((total - free) / 2**30, 1)
+    except RuntimeError:
+        return None
+
+
+def _load_prompts(work: Path, name: str) -> list[np.ndarray]:
+    out = []
+    with (work / name).open() as f:
+        for line in f:
+            out.append(np.asarray(json.loads(line)["input_ids"], np.int32))
+    return out
+
+
+def _engine_kwargs(args: argparse.Namespace, model_dir: Path, dummy: bool) -> dict[str, Any]:
+    kwargs = {
+        "model": str(model_dir),
+        "skip_tokenizer_init": True,
+        "dtype": "bfloat16",
+        "seed": 0,
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_model_len": max(args.long_tokens, args.max_tokens) + 1,
+    }
+    if dummy:
+        kwargs["load_format"] = "dummy"
+    return kwargs
+
+
+def _row(config: str, prompts: list[np.ndarray], seconds: float, **extra: Any) -> dict[str, Any]:
+    tokens = int(sum(len(p) for p in prompts))
+    return {
+        "config": config,
+        "prompts": len(prompts),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tok_per_s": round(tokens / seconds, 1),
+        "gpu_mem_gib": _gpu_used_gib(),
+        "peak_rss_gib": _peak_rss_gib(),
+        **extra,
+    }
+
+
+def _generate(llm: Any, prompts: list[np.ndarray]) -> tuple[float, list[Any]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    batch = [TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    return time.perf_counter() - start, outputs
+
+
+def _worker_plain(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import LLM
+
+    work = Path(args.work_dir)
+    model_dir, dummy = _model_dir(args)
+    regular, long = _load_prompts(work, "prompts.jsonl"), _load_prompts(work, "long.jsonl")
+    llm = LLM(**_engine_kwargs(args, model_dir, dummy))
+    _generate(llm, regular[:8])
+    rows = [_row("plain", regular, _generate(llm, regular)[0])]
+    if long:
+        rows.append(_row("plain", long, _generate(llm, long)[0], notes=f"{args.long_tokens}-token prompts"))
+    return {"rows": rows}
+
+
+def _worker_native(args: argparse.Namespace) -> dict[str, Any]:
+    import fcntl
+
+    from vllm import LLM
+
+    from job.model import eagle3_default_layer_ids
+
+    work = Path(args.work_dir)
+    model_dir, dummy = _model_dir(args)
+    regular = _load_prompts(work, "prompts.jsonl")
+    layers = eagle3_default_layer_ids(
+        json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    )
+    store = work / "native"
+    shutil.rmtree(store, ignore_errors=True)
+    llm = LLM(
+        **_engine_kwargs(args, model_dir, dummy),
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
+        },
+        kv_transfer_config={
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(store)},
+        },
+    )
+    _generate(llm, regular[:8])
+    shutil.rmtree(store, ignore_errors=True)
+    start = time.perf_counter()
+    _, outputs = _generate(llm, regular)
+    paths = [o.kv_transfer_params["hidden_states_path"] for o in outputs]
+    for path in paths:  # wait until every file is written (the connector holds a flock while writing)
+        with open(path + ".lock") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+    seconds = time.perf_counter() - start
+    written = sum(os.path.getsize(p) for p in paths)
+    row = _row(
+        "native",
+        regular,
+        seconds,
+        gb_per_s=round(written / seconds / 1e9, 2),
+        bytes_written=written,
+        notes=f"layers {layers}, per-request files, time includes the last file's write",
+    )
+    shutil.rmtree(store, ignore_errors=True)
+    return {"rows": [row]}
+
+
+def _worker_hf(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from job.backends import extract_all
+    from job.backends.hf import HFBackend
+    from job.model import eagle3_default_layer_ids
+
+    work = Path(args.work_dir)
+    model_dir, dummy = _model_dir(args)
+    prompts = _load_prompts(work, "prompts.jsonl")[: args.hf_prompts]
+    config = AutoConfig.from_pretrained(model_dir)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dummy:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
+    backend = HFBackend(model, eagle3_default_layer_ids(config.num_hidden_layers), "bfloat16")
+    extract_all(backend, prompts[:2])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    extract_all(backend, prompts)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return {
+        "rows": [_row("hf", prompts, time.perf_counter() - start, notes="batch 1, states copied to host")]
+    }
+
+
+def _job_settings(args: argparse.Namespace, model_dir: Path, dummy: bool, data: Path, out: Path) -> Any:
+    from job.settings import load_settings
+
+    engine_args = {"load_format": "dummy"} if dummy else {}
+    return load_settings(
+        cli_args=[
+            f"--model.path={model_dir}",
+            f"--data.path={data}",
+            "--data.format=tokenized",
+            "--data.tokenizer_workers=0",  # pre-tokenized: no tokenizer processes to start
+            f"--data.max_length={max(args.long_tokens, args.max_tokens)}",
+            "--backend.name=vllm",
+            f"--backend.vllm.max_num_batched_tokens={args.max_num_batched_tokens}",
+            f"--backend.vllm.max_num_seqs={args.max_num_seqs}",
+            f"--backend.vllm.gpu_memory_utilization={args.gpu_memory_utilization}",
+            f"--backend.vllm.engine_args={json.dumps(engine_args)}",
+            f"--output.uri={out}",
+            "--log.level=warning",
+            "--log.format=json",
+        ]
+    )
+
+
+def _realistic_weights(backend: Any) -> None:
+    """Dummy weights are U(-1e-3, 1e-3) everywhere, norms included; give the
+    spot check activations of a realistic scale (throughput is unaffected)."""
+    import torch
+
+    def reinit(worker: Any) -> None:
+        generator = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
+        for param in worker.model_runner.get_model().parameters():
+            if param.dim() == 1:
+                param.data.fill_(1.0)
+            else:
+                param.data.normal_(0.0, 0.02, generator=generator)
+
+    backend.executor.collective_rpc(reinit)
+
+
+def _hf_from_vllm(backend: Any, model_dir: Path) -> Any:
+    """An HF model holding the weights of the (in-process, TP=1) vLLM model."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    # In-process (uni executor) this is the live state dict; across processes, a copy.
+    weights = backend.executor.collective_rpc(lambda worker: worker.model_runner.get_model().state_dict())[0]
+    device = next(iter(weights.values())).device
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    state = {}
+    for name, tensor in weights.items():
+        if "rotary_emb" in name:  # vLLM's precomputed cos/sin cache; HF computes its own
+            continue
+        if ".qkv_proj." in name:
+            for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]), strict=True):
+                state[name.replace("qkv_proj", part)] = piece
+        elif ".gate_up_proj." in name:
+            gate, up = tensor.chunk(2)
+            state[name.replace("gate_up_proj", "gate_proj")] = gate
+            state[name.replace("gate_up_proj", "up_proj")] = up
+        else:
+            state[name] = tensor
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [m for m in missing if "rotary_emb" not in m]
+    if missing or unexpected:
+        raise RuntimeError(f"weight mapping incomplete: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return hf
+
+
+def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
+    from job.backends import BackendInput, extract_all
+    from job.backends.hf import HFBackend
+    from job.backends.vllm import VllmBackend
+    from job.compare import compare_outputs
+    from job.logs import configure_logging
+    from job.model import resolve_model
+    from job.runner import run_job
+    from job.shards import iter_output
+
+    work = Path(args.work_dir)
+    model_dir, dummy = _model_dir(args)
+    regular, long = _load_prompts(work, "prompts.jsonl"), _load_prompts(work, "long.jsonl")
+    settings = _job_settings(args, model_dir, dummy, work / "prompts.jsonl", work / "out-disk")
+    configure_logging(settings.log)
+    model = resolve_model(settings.model)
+    layer_ids = model.resolve_layer_ids(None)
+    backend = VllmBackend(settings, model, layer_ids, model.dtype)
+    if dummy:
+        _realistic_weights(backend)
+    extract_all(backend, regular[:8])  # warm-up
+
+    start = time.perf_counter()
+    for chunk in backend.extract(BackendInput(i, p) for i, p in enumerate(regular)):
+        if chunk.release is not None:
+            chunk.release()
+    rows = [_row("null", regular, time.perf_counter() - start, notes="capture + copy to host, rows dropped")]
+
+    for config, root in (("job", work), ("job_shm", Path("/dev/shm/eagle3-bench"))):
+        out = root / f"out-{config}"
+        shutil.rmtree(out, ignore_errors=True)
+        totals = run_job(_job_settings(args, model_dir, dummy, work / "prompts.jsonl", out), backend)
+        seconds = totals["extract_seconds"]
+        rows.append(
+            _row(
+                config,
+                regular,
+                seconds,
+                gb_per_s=round(totals["bytes_written"] / seconds / 1e9, 2),
+                bytes_written=totals["bytes_written"],
+                shards=totals["shards"],
+                notes=f"shards on {root}, 2 GiB each, checksummed, manifest",
+            )
+        )
+        if config == "job":
+            # Spot check of the shards just written: the 3 shortest samples
+            # against the HF backend holding the same weights.
+            check = sorted(iter_output(out), key=lambda s: len(s.input_ids))[:3]
+            with (work / "spot.jsonl").open("w") as f:
+                for s in check:
+                    f.write(json.dumps({"id": s.sample_id, "input_ids": s.input_ids.tolist()}) + "\n")
+            reference = work / "out-hf"
+            shutil.rmtree(reference, ignore_errors=True)
+            try:
+                hf = (
+                    HFBackend(_hf_from_vllm(backend, model_dir), layer_ids, model.dtype)
+                    if dummy
+                    else HFBackend.load(model, layer_ids, "auto", model.dtype)
+                )
+                run_job(_job_settings(args, model_dir, dummy, work / "spot.jsonl", reference), hf)
+                del hf
+                comparison = compare_outputs(out, reference, reference_only=True)
+                rows[-1].update(spot_check=comparison.summary(2e-2), spot_check_ok=comparison.ok(2e-2))
+            except Exception as exc:  # the throughput figures stand; the check's failure is reported
+                rows[-1].update(spot_check=f"ERROR {type(exc).__name__}: {exc}", spot_check_ok=False)
+            rows[-1]["spot_check_samples"] = [s.sample_id for s in check]
+        shutil.rmtree(out, ignore_errors=True)
+
+    if long:
+        start = time.perf_counter()
+        for chunk in backend.extract(BackendInput(i, p) for i, p in enumerate(long)):
+            if chunk.release is not None:
+                chunk.release()
+        rows.append(
+            _row("null", long, time.perf_counter() - start, notes=f"{args.long_tokens}-token prompts")
+        )
+        out = work / "out-long"
+        shutil.rmtree(out, ignore_errors=True)
+        totals = run_job(_job_settings(args, model_dir, dummy, work / "long.jsonl", out), backend)
+        rows.append(
+            _row(
+                "job",
+                long,
+                totals["extract_seconds"],
+                gb_per_s=round(totals["bytes_written"] / totals["extract_seconds"] / 1e9, 2),
+                notes=f"{args.long_tokens}-token prompts, shards on {work}",
+            )
+        )
+        shutil.rmtree(out, ignore_errors=True)
+    rows[0]["capture"] = backend.capture_info
+    backend.close()
+    return {"rows": rows}
+
+
+WORKERS = {"plain": _worker_plain, "job": _worker_job, "native": _worker_native, "hf": _worker_hf}
