@@ -178,8 +178,9 @@ def _orchestrate(args: argparse.Namespace, argv: list[str]) -> int:
         flush=True,
     )
     rows: list[dict[str, Any]] = []
-    log_path = Path(args.out) / f"bench-{args.model}-{run_id}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / f"bench-{args.model}-{run_id}.log"
     for group in [g for g in args.groups.split(",") if g]:
         cmd = [sys.executable, "-m", "job", "bench", *argv, "--worker", group]
         started = time.monotonic()
@@ -201,12 +202,16 @@ def _orchestrate(args: argparse.Namespace, argv: list[str]) -> int:
                 flush=True,
             )
             continue
-        rows.extend(results[-1]["rows"])
+        new = results[-1]["rows"]
+        for row in new:
+            row.update(run_id=run_id, model=args.model, dummy_weights=dummy, **env)
+        with (out / f"bench-{args.model}-{run_id}.jsonl").open("a") as partial:  # survives a kill
+            partial.writelines(json.dumps(row) + "\n" for row in new)
+        rows.extend(new)
     plain = {r["prompts"]: r["tok_per_s"] for r in rows if r["config"] == "plain"}
     for row in rows:
         base = plain.get(row["prompts"])
         row["ratio_to_plain"] = round(row["tok_per_s"] / base, 3) if base else None
-        row.update(run_id=run_id, model=args.model, dummy_weights=dummy, **env)
     _report(args, rows, disk, run_id, argv)
     return 0 if rows else 1
 
@@ -254,7 +259,6 @@ def _report(
     args: argparse.Namespace, rows: list[dict[str, Any]], disk: dict[str, Any], run_id: str, argv: list[str]
 ) -> None:
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     keys = (
         "run_id",
         "config",

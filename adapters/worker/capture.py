@@ -241,6 +241,11 @@ def _fill_slot(
 
 
 def _pin(buffer: torch.Tensor) -> bool:
-    """Page-lock the shared ring so device-to-host copies run asynchronously at full speed."""
-    result = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
-    return int(result) == 0 if not isinstance(result, tuple) else int(result[0]) == 0
+    """Page-lock the shared ring so device-to-host copies run asynchronously at
+    full speed. Without it capture still works, with slower, synchronous copies."""
+    try:
+        result = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    except (AttributeError, RuntimeError):
+        return False
+    code = result[0] if isinstance(result, tuple) else result
+    return int(code) == 0
