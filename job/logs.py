@@ -104,7 +104,10 @@ def configure_logging(settings: LogSettings, stream: IO[str] | None = None) -> N
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
-        structlog.processors.dict_tracebacks,
+        # Tracebacks as data, without local variables: they are huge and may hold secrets.
+        structlog.processors.ExceptionRenderer(
+            structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+        ),
         scrubber,
         log_file,
     ]

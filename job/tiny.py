@@ -71,7 +71,7 @@ BUILTIN_MODELS = {
     "tiny-chatml": ("llama", CHATML_TEMPLATE, "<|im_end|>"),
     "tiny-deepseek-v3": ("deepseek_v3", CHATML_TEMPLATE, "<|im_end|>"),
 }
-_BUILD_VERSION = "3"
+_BUILD_VERSION = "4"
 
 
 def cache_root() -> Path:
@@ -176,6 +176,10 @@ def _build(out: Path, arch: str, template: str, eos: str) -> None:
             n_group=1,
             topk_group=1,
             routed_scaling_factor=1.0,
+            # As in DeepSeek-V3's own config; HF always routes this way, vLLM only when told.
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            norm_topk_prob=True,
             # MLA with DeepSeek-V3's own latent sizes: kernels are specialised for them
             kv_lora_rank=512,
             q_lora_rank=128,

@@ -84,6 +84,7 @@ class DecoderLayerCapture:
         self.input_ids = torch.zeros(spec.max_tokens, dtype=torch.int32, device=self.device)
         self.positions = torch.zeros(spec.max_tokens, dtype=torch.int32, device=self.device)
         self.active = False
+        self.armed = False  # set by hs_arm once the engine is warmed up
         self.num_tokens = 0
         self.step = 0
         self.copy_done: torch.cuda.Event | None = None
@@ -158,7 +159,7 @@ class DecoderLayerCapture:
     # step bracketing ---------------------------------------------------------
     def _execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         n = scheduler_output.total_num_scheduled_tokens
-        if n == 0:
+        if n == 0 or not self.armed:
             return self._original_execute_model(scheduler_output, *args, **kwargs)
         if n > self.spec.max_tokens:
             raise RuntimeError(f"step of {n} tokens exceeds the capture buffer ({self.spec.max_tokens})")

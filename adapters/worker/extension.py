@@ -33,6 +33,13 @@ class HiddenStateCaptureExtension:
         info.update(capturing=True, **capture.describe())
         return info
 
+    def hs_arm(self) -> None:
+        """Start capturing. Before this, vLLM's own warm-up steps (Model Runner
+        V2 runs real steps with dummy requests) pass through untouched."""
+        capture = getattr(self, "_hs_capture", None)
+        if capture is not None:
+            capture.armed = True
+
     def hs_close(self) -> None:
         capture = getattr(self, "_hs_capture", None)
         if capture is not None:

@@ -146,6 +146,7 @@ class VllmBackend(Backend):
                 vllm_config, kv.config, kv.block_size, kv.hash_block_size
             )
             self.block_hasher = self.adapters.block_hasher(vllm_config, kv.hash_block_size)
+            self.executor.collective_rpc("hs_arm")
         except BaseException:
             self.close()
             raise
