@@ -111,6 +111,10 @@ class VllmBackend(Backend):
             "gpu_memory_utilization": options.gpu_memory_utilization,
             "max_model_len": options.max_model_len or settings.data.max_length + 1,
             "attention_backend": options.attention_backend,
+            # Model runner in its own process even at TP=1: its Python (kernel
+            # launches in eager mode) then never waits on the driver's GIL, which
+            # the writer and committer threads share.
+            "distributed_executor_backend": "mp",
             **options.engine_args,
             **PINNED_ENGINE_ARGS,
         }
