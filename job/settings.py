@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,6 +235,7 @@ def load_settings(config_file: str | Path | None = None, cli_args: Sequence[str]
     path = Path(config_file) if config_file else None
     if path is not None and not path.is_file():
         raise ConfigError(f"--config {path}: no such file")
+    _check_env_typos(os.environ)
     token = _SOURCES.set(_Sources(path, tuple(cli_args)))
     try:
         return JobSettings()
@@ -250,6 +251,32 @@ def load_settings(config_file: str | Path | None = None, cli_args: Sequence[str]
         raise ConfigError(f"settings: {message}") from None
     finally:
         _SOURCES.reset(token)
+
+
+def _check_env_typos(environ: Mapping[str, str]) -> None:
+    """Reject ``JOB_OUTPUT_URI``-style names (one underscore where nesting needs two).
+
+    pydantic-settings ignores them, so the run would silently use another value (e.g.
+    write to ./out instead of the intended bucket). Only names that spell an existing
+    ``section_key`` are errors: other JOB_* variables (Kubernetes' JOB_COMPLETION_INDEX,
+    a CI system's JOB_NAME) are none of the job's business.
+    """
+    prefix = "JOB_"
+    for name in environ:
+        upper = name.upper()
+        if not upper.startswith(prefix) or "__" in upper:
+            continue
+        rest = upper[len(prefix) :].lower()
+        for section, field in JobSettings.model_fields.items():
+            annotation = field.annotation
+            if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+                continue
+            if rest.startswith(section + "_") and rest[len(section) + 1 :] in annotation.model_fields:
+                key = rest[len(section) + 1 :]
+                raise ConfigError(
+                    f"environment {name}: not a setting; nested keys need a double underscore: "
+                    f"{prefix}{section.upper()}__{key.upper()} (setting {section}.{key})"
+                )
 
 
 def describe_validation_error(exc: ValidationError) -> str:
