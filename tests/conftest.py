@@ -87,6 +87,10 @@ def job_env(job_cache_dir: Path) -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
+        # The tiny models gain nothing from intra-op threads, and on a shared, busy
+        # machine torch's thread pool spins against other processes: one thread halves
+        # a run's wall time there.
+        OMP_NUM_THREADS="1",
     )
     return env
 
