@@ -1,0 +1,279 @@
+"""Resume: a rerun continues an index exactly once, whatever state a crash left.
+
+The invariant under test: after any sequence of (crashed) runs and one complete run,
+every owned record is in exactly one listed shard or in rejected.jsonl, no file that
+the manifest does not list remains, and the manifest counts are exact.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from job.checksum import crc64nvme_file
+from job.shards import open_shard, read_manifest
+
+MAX_LENGTH = 48
+SHARD_KIB = 128  # ~64 float32 tokens of 4 layers: one or two samples per shard
+
+
+def conversation(i: int) -> dict[str, Any]:
+    return {
+        "id": f"c-{i:03d}",
+        "messages": [
+            {"role": "user", "content": f"Question {i}: what is {i} + {i}?"},
+            {"role": "assistant", "content": f"{i} + {i} = {2 * i}."},
+        ],
+    }
+
+
+def dataset() -> list[Any]:
+    lines: list[Any] = [conversation(i) for i in range(10)]
+    lines.insert(3, '{"id": "broken", ')  # malformed: rejected as resume.jsonl:4
+    lines.append(conversation(1))  # duplicate id of an early (committed) sample: rejected
+    # Last, so it lands in the last shard (the one the simulated crash un-lists):
+    # truncated, and the rerun must count it again.
+    lines.append(
+        {
+            "id": "long",
+            "messages": [
+                {"role": "user", "content": "Count to forty."},
+                {"role": "assistant", "content": " ".join(str(n) for n in range(40))},
+            ],
+        }
+    )
+    return lines
+
+
+WRITTEN = [f"c-{i:03d}" for i in range(10)] + ["long"]
+REJECTED = ["resume.jsonl:4", "c-001"]
+
+
+@pytest.fixture(scope="module")
+def base(
+    tmp_path_factory: pytest.TempPathFactory,
+    write_jsonl: Callable[..., Path],
+    run_job: Callable[..., Any],
+    fast_args: tuple[str, ...],
+    tiny_llama_dir: Path,
+) -> dict[str, Any]:
+    """One complete run; tests work on copies of its output."""
+    root = tmp_path_factory.mktemp("resume")
+    data = write_jsonl(root / "resume.jsonl", dataset())
+    out = root / "out"
+    args = (
+        f"--data.path={data}",
+        f"--data.max_length={MAX_LENGTH}",
+        f"--output.shard_bytes={SHARD_KIB}KiB",
+        *fast_args,
+    )
+    result = run_job("run", f"--output.uri={out}", *args)
+    assert result.rc == 0, result.describe()
+    manifest = read_manifest(out / "index-00000")
+    assert manifest is not None and manifest.complete
+    assert len(manifest.shards) >= 3, "the crash simulations need several shards"
+    return {"out": out, "args": args, "data": data}
+
+
+def copy_output(base: dict[str, Any], tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    shutil.copytree(base["out"], out)
+    return out
+
+
+def file_digests(directory: Path) -> dict[str, str]:
+    return {
+        p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
+
+
+def assert_exactly_once(out: Path, read_jsonl: Callable[[Path], list[dict[str, Any]]]) -> None:
+    """The invariant: each record once, in a listed, intact shard or in rejected.jsonl."""
+    index = out / "index-00000"
+    manifest = read_manifest(index)
+    assert manifest is not None and manifest.complete
+    listed = [sid for s in manifest.shards for sid in s.sample_ids]
+    assert sorted(listed) == sorted(WRITTEN)
+    assert len(listed) == len(set(listed)), Counter(listed).most_common(3)
+    rejected = [e["sample_id"] for e in read_jsonl(index / "rejected.jsonl")]
+    assert sorted(rejected) == sorted(REJECTED)
+    assert manifest.counts.written == len(WRITTEN)
+    assert manifest.counts.rejected == len(REJECTED)
+    assert manifest.counts.truncated == 1
+    assert manifest.counts.written + manifest.counts.rejected == len(dataset())
+    # Only listed shards remain, and each is what the manifest says it is.
+    names = {p.name for p in index.iterdir() if p.is_file()}
+    assert names == {s.name for s in manifest.shards} | {"manifest.json", "rejected.jsonl", ".lock"}
+    for entry in manifest.shards:
+        assert crc64nvme_file(index / entry.name) == entry.checksum.value
+        assert open_shard(index / entry.name).sample_ids == entry.sample_ids
+
+
+def simulate_crash_before_manifest(index: Path) -> dict[str, Any]:
+    """The state a crash between a shard's commit and the manifest rewrite leaves.
+
+    The last shard file is committed but unlisted; the manifest is the previous one
+    (incomplete, rejected not yet counted); rejected.jsonl is not yet published. Add
+    the debris other crash points leave: half-written files and a stray shard.
+    """
+    path = index / "manifest.json"
+    manifest = json.loads(path.read_text())
+    dropped = manifest["shards"].pop()
+    manifest["counts"]["written"] -= dropped["num_samples"]
+    manifest["counts"]["truncated"] -= dropped["num_truncated"]
+    manifest["counts"]["rejected"] = 0
+    manifest["complete"] = False
+    path.write_text(json.dumps(manifest))
+    (index / "rejected.jsonl").rename(index / "rejected.jsonl.partial")
+    shutil.copy(index / manifest["shards"][0]["name"], index / "shard-00040.safetensors")
+    (index / "shard-00041.safetensors.partial").write_bytes(b"\0" * 4096)
+    (index / "manifest.json.partial").write_text("{")
+    return dropped
+
+
+def test_rerun_of_a_complete_index_changes_nothing(
+    base: dict[str, Any], tmp_path: Path, run_job: Callable[..., Any]
+) -> None:
+    out = copy_output(base, tmp_path)
+    before = file_digests(out)
+    result = run_job("run", f"--output.uri={out}", *base["args"])
+    assert result.rc == 0, result.describe()
+    assert result.event("index_already_complete")["written"] == len(WRITTEN)
+    assert not [e for e in result.events if e["event"] in ("run_started", "shard_committed")]
+    assert file_digests(out) == before
+
+
+def test_rerun_after_crash_before_manifest_write(
+    base: dict[str, Any], tmp_path: Path, run_job: Callable[..., Any], read_jsonl: Callable
+) -> None:
+    out = copy_output(base, tmp_path)
+    index = out / "index-00000"
+    kept = json.loads((index / "manifest.json").read_text())["shards"][:-1]
+    dropped = simulate_crash_before_manifest(index)
+    assert "long" in dropped["sample_ids"]
+
+    result = run_job("run", f"--output.uri={out}", *base["args"])
+    assert result.rc == 0, result.describe()
+    assert result.event("run_started")["resumed_samples"] == sum(s["num_samples"] for s in kept)
+    assert_exactly_once(out, read_jsonl)
+    manifest = read_manifest(index)
+    assert manifest is not None
+    # Shards listed before the crash are kept as they were; the redone samples are in a
+    # new shard whose number no earlier file (listed or not) ever used.
+    assert [s.model_dump() for s in manifest.shards[: len(kept)]] == kept
+    redone = manifest.shards[len(kept) :]
+    assert [sid for s in redone for sid in s.sample_ids] == dropped["sample_ids"]
+    assert all(int(s.name[6:11]) > 41 for s in redone)
+    assert len(manifest.run_ids) == 2
+
+
+def test_crash_mid_run_kill_9(
+    tmp_path: Path,
+    write_jsonl: Callable[..., Path],
+    job_env: dict[str, str],
+    run_job: Callable[..., Any],
+    fast_args: tuple[str, ...],
+    read_jsonl: Callable,
+    tiny_llama_dir: Path,
+) -> None:
+    # Many short samples and small shards: the run commits shard after shard for a while,
+    # so a SIGKILL right after the first commit lands in the middle of the work.
+    count = 300
+    data = write_jsonl(tmp_path / "many.jsonl", [conversation(i) for i in range(count)])
+    out = tmp_path / "out"
+    args = ["run", f"--data.path={data}", f"--output.uri={out}", "--output.shard_bytes=64KiB", *fast_args]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "job", *args],
+        env=job_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,  # its own process group: the kill takes any children too
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if json.loads(line)["event"] == "shard_committed":
+                os.killpg(proc.pid, signal.SIGKILL)  # like an OOM kill: no cleanup at all
+                break
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    index = out / "index-00000"
+    crashed = read_manifest(index)
+    assert crashed is not None and not crashed.complete
+    assert 0 < crashed.counts.written < count
+
+    result = run_job(*args)
+    assert result.rc == 0, result.describe()
+    manifest = read_manifest(index)
+    assert manifest is not None and manifest.complete
+    listed = [sid for s in manifest.shards for sid in s.sample_ids]
+    assert sorted(listed) == [f"c-{i:03d}" for i in range(count)]  # each exactly once
+    assert manifest.counts.written == count and manifest.counts.rejected == 0
+    assert result.event("run_finished")["written_this_run"] == count - crashed.counts.written
+    # The shards committed before the kill are still listed, unchanged.
+    assert [s.model_dump() for s in manifest.shards[: len(crashed.shards)]] == [
+        s.model_dump() for s in crashed.shards
+    ]
+    names = {p.name for p in index.iterdir() if p.is_file()}
+    assert names == {s.name for s in manifest.shards} | {"manifest.json", "rejected.jsonl", ".lock"}
+    assert read_jsonl(index / "rejected.jsonl") == []
+
+
+@pytest.mark.parametrize("complete", [True, False], ids=["complete", "crashed"])
+def test_resume_with_other_settings_is_refused(
+    base: dict[str, Any], tmp_path: Path, run_job: Callable[..., Any], complete: bool
+) -> None:
+    out = copy_output(base, tmp_path)
+    index = out / "index-00000"
+    if not complete:
+        simulate_crash_before_manifest(index)
+    before = file_digests(out)
+
+    result = run_job("run", f"--output.uri={out}", *base["args"], "--layers.ids=[1,8]")
+    assert result.rc == 2, result.describe()
+    assert "different settings" in result.stderr and "layer_ids" in result.stderr
+    assert "[2, 4, 5, 8] -> [1, 8]" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+    # Other data (one more record) under the same path: the fingerprint changes.
+    data = tmp_path / "resume.jsonl"
+    shutil.copy(base["data"], data)
+    with data.open("a") as f:
+        f.write(json.dumps(conversation(99)) + "\n")
+    args = [a if not a.startswith("--data.path=") else f"--data.path={data}" for a in base["args"]]
+    result = run_job("run", f"--output.uri={out}", *args)
+    assert result.rc == 2, result.describe()
+    assert "data_fingerprint" in result.stderr
+    assert file_digests(out) == before  # a refused run touches nothing
+
+
+def test_two_runs_on_one_index_are_refused(
+    base: dict[str, Any], tmp_path: Path, run_job: Callable[..., Any]
+) -> None:
+    out = copy_output(base, tmp_path)
+    index = out / "index-00000"
+    simulate_crash_before_manifest(index)
+    with (index / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running job holds it
+        result = run_job("run", f"--output.uri={out}", *base["args"])
+    assert result.rc == 2, result.describe()
+    assert "another run holds" in result.stderr
+    assert (index / "shard-00040.safetensors").exists()  # the holder's files were left alone
