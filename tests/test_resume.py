@@ -237,32 +237,37 @@ def test_crash_mid_run_kill_9(
     assert read_jsonl(index / "rejected.jsonl") == []
 
 
-@pytest.mark.parametrize("complete", [True, False], ids=["complete", "crashed"])
-def test_resume_with_other_settings_is_refused(
-    base: dict[str, Any], tmp_path: Path, run_job: Callable[..., Any], complete: bool
+def test_resume_with_other_layers_is_refused(
+    base: dict[str, Any], tmp_path: Path, run_job: Callable[..., Any]
 ) -> None:
     out = copy_output(base, tmp_path)
-    index = out / "index-00000"
-    if not complete:
-        simulate_crash_before_manifest(index)
+    simulate_crash_before_manifest(out / "index-00000")
     before = file_digests(out)
-
     result = run_job("run", f"--output.uri={out}", *base["args"], "--layers.ids=[1,8]")
     assert result.rc == 2, result.describe()
-    assert "different settings" in result.stderr and "layer_ids" in result.stderr
-    assert "[2, 4, 5, 8] -> [1, 8]" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "different settings" in lines[0]
+    assert "layer_ids: [2, 4, 5, 8] -> [1, 8]" in lines[0]
+    assert file_digests(out) == before  # a refused run touches nothing, not even debris
 
-    # Other data (one more record) under the same path: the fingerprint changes.
+
+def test_resume_with_other_data_is_refused(
+    base: dict[str, Any], tmp_path: Path, run_job: Callable[..., Any]
+) -> None:
+    # Same data.path, one more record: the data fingerprint changes. Refused even for a
+    # complete index: "nothing to do" would silently skip the new record.
+    out = copy_output(base, tmp_path)
+    before = file_digests(out)
     data = tmp_path / "resume.jsonl"
     shutil.copy(base["data"], data)
     with data.open("a") as f:
         f.write(json.dumps(conversation(99)) + "\n")
-    args = [a if not a.startswith("--data.path=") else f"--data.path={data}" for a in base["args"]]
+    args = [f"--data.path={data}" if a.startswith("--data.path=") else a for a in base["args"]]
     result = run_job("run", f"--output.uri={out}", *args)
     assert result.rc == 2, result.describe()
-    assert "data_fingerprint" in result.stderr
-    assert file_digests(out) == before  # a refused run touches nothing
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "different settings or data" in lines[0] and "data_fingerprint" in lines[0]
+    assert file_digests(out) == before
 
 
 def test_two_runs_on_one_index_are_refused(
