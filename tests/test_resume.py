@@ -181,7 +181,36 @@ def test_rerun_after_crash_before_manifest_write(
     assert len(manifest.run_ids) == 2
 
 
-def test_crash_mid_run_kill_9(
+def start_and_signal_after_first_commit(args: list[str], env: dict[str, str], sig: int) -> tuple[int, str]:
+    """Run ``python -m job ARGS``; send ``sig`` once it logs its first shard_committed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "job", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,  # its own process group: SIGKILL takes any children too
+    )
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if json.loads(line)["event"] == "shard_committed":
+                if sig == signal.SIGKILL:
+                    os.killpg(proc.pid, sig)  # like an OOM kill: no cleanup at all
+                else:
+                    proc.send_signal(sig)  # like Kubernetes stopping the pod
+                break
+        lines += proc.stdout.read().splitlines(keepends=True)
+    finally:
+        if proc.poll() is None and sig == signal.SIGKILL:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=300)
+    return proc.returncode, "".join(lines)
+
+
+def test_crash_mid_run_sigterm_then_kill_9(
     tmp_path: Path,
     write_jsonl: Callable[..., Path],
     job_env: dict[str, str],
@@ -190,36 +219,33 @@ def test_crash_mid_run_kill_9(
     read_jsonl: Callable,
     tiny_llama_dir: Path,
 ) -> None:
-    # Many short samples and small shards: the run commits shard after shard for a while,
-    # so a SIGKILL right after the first commit lands in the middle of the work.
+    # Many short samples and small shards: a run commits shard after shard for a while,
+    # so a signal right after the first commit lands in the middle of the work.
     count = 300
     data = write_jsonl(tmp_path / "many.jsonl", [conversation(i) for i in range(count)])
     out = tmp_path / "out"
-    args = ["run", f"--data.path={data}", f"--output.uri={out}", "--output.shard_bytes=64KiB", *fast_args]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "job", *args],
-        env=job_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,  # its own process group: the kill takes any children too
-    )
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if json.loads(line)["event"] == "shard_committed":
-                os.killpg(proc.pid, signal.SIGKILL)  # like an OOM kill: no cleanup at all
-                break
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
     index = out / "index-00000"
+    args = ["run", f"--data.path={data}", f"--output.uri={out}", "--output.shard_bytes=64KiB", *fast_args]
+
+    # 1. SIGTERM: a clean stop, exit 143, open shards abandoned, what is listed is intact.
+    rc, stdout = start_and_signal_after_first_commit(args, job_env, signal.SIGTERM)
+    assert rc == 143, stdout[-3000:]
+    events = [json.loads(line)["event"] for line in stdout.splitlines()]
+    assert "run_stopped" in events and "run_finished" not in events
+    stopped = read_manifest(index)
+    assert stopped is not None and not stopped.complete
+    assert 0 < stopped.counts.written < count
+    assert not list(index.glob("shard-*.partial"))
+    assert {p.name for p in index.glob("shard-*")} == {s.name for s in stopped.shards}
+
+    # 2. A rerun, killed with SIGKILL after its first commit: no cleanup at all.
+    rc, stdout = start_and_signal_after_first_commit(args, job_env, signal.SIGKILL)
+    assert rc == -signal.SIGKILL, stdout[-3000:]
     crashed = read_manifest(index)
     assert crashed is not None and not crashed.complete
-    assert 0 < crashed.counts.written < count
+    assert stopped.counts.written < crashed.counts.written < count
 
+    # 3. A rerun to the end: every sample exactly once.
     result = run_job(*args)
     assert result.rc == 0, result.describe()
     manifest = read_manifest(index)
@@ -228,13 +254,16 @@ def test_crash_mid_run_kill_9(
     assert sorted(listed) == [f"c-{i:03d}" for i in range(count)]  # each exactly once
     assert manifest.counts.written == count and manifest.counts.rejected == 0
     assert result.event("run_finished")["written_this_run"] == count - crashed.counts.written
-    # The shards committed before the kill are still listed, unchanged.
+    # The shards committed before each crash are still listed, unchanged.
     assert [s.model_dump() for s in manifest.shards[: len(crashed.shards)]] == [
         s.model_dump() for s in crashed.shards
     ]
+    assert len(manifest.run_ids) == 3
     names = {p.name for p in index.iterdir() if p.is_file()}
     assert names == {s.name for s in manifest.shards} | {"manifest.json", "rejected.jsonl", ".lock"}
     assert read_jsonl(index / "rejected.jsonl") == []
+    for entry in manifest.shards:
+        assert crc64nvme_file(index / entry.name) == entry.checksum.value
 
 
 def test_resume_with_other_layers_is_refused(

@@ -276,9 +276,15 @@ def test_inspect_shard_file(run: dict[str, Any], run_job: Callable[..., Any]) ->
     assert f"  {entry.sample_ids[0]}: " in text
 
 
-def test_inspect_missing_path(run_job: Callable[..., Any], tmp_path: Path) -> None:
+def test_inspect_bad_paths(run: dict[str, Any], run_job: Callable[..., Any], tmp_path: Path) -> None:
     result = run_job("inspect", str(tmp_path / "nothing-here"))
     assert result.rc == 2 and "does not exist" in result.stderr
+    # A file that is not a shard (the manifest, say): one line, exit 2, no traceback.
+    result = run_job("inspect", str(run["index"] / "manifest.json"))
+    assert result.rc == 2, result.describe()
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is not a shard file" in lines[0] and "manifest.json" in lines[0]
 
 
 # --- plan -------------------------------------------------------------------------------
