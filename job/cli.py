@@ -37,6 +37,15 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = _parser().parse_known_args(argv)
     try:
+        if args.path is not None and args.command != "inspect":
+            if not args.path.startswith("-"):
+                raise ConfigError(
+                    f"unexpected argument {args.path!r}; settings are given as --section.key=value"
+                )
+            # argparse takes an unknown "--key=value" whose value holds a space for a
+            # positional; right after the command that is PATH, so the setting would be
+            # silently dropped. It was the first override: put it back first.
+            overrides.insert(0, args.path)
         if args.command == "inspect":
             from job.inspect import inspect_path
 
