@@ -20,8 +20,6 @@ from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
 # Settings that make a CPU run as cheap as it gets without changing what is tested:
 # no tokenizer process to spawn (it re-imports transformers, ~3 s) and float32, which
 # is both faster than bfloat16 on CPU and exact when compared with the reference.
@@ -96,11 +94,14 @@ def job_env(job_cache_dir: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def run_job(job_env: dict[str, str]) -> Callable[..., JobRun]:
+def run_job(job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., JobRun]:
     """``run_job(*args, env={...}, cwd=..., timeout=...)`` runs ``python -m job *args``.
 
     ``env`` entries are added to (a value of None removes them from) the base environment.
+    The default working directory is a scratch dir, so a run that falls back to the
+    default ``output.uri: ./out`` never writes into the checkout.
     """
+    scratch = tmp_path_factory.mktemp("job-cwd")
 
     def run(
         *args: str,
@@ -111,7 +112,7 @@ def run_job(job_env: dict[str, str]) -> Callable[..., JobRun]:
         proc = subprocess.run(
             [sys.executable, "-m", "job", *args],
             env=merge_env(job_env, env),
-            cwd=cwd or REPO_ROOT,
+            cwd=cwd or scratch,
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -239,3 +239,27 @@ def test_work_index_not_below_count(run_job: Callable[..., Any]) -> None:
         run_job("run", env={"JOB_COMPLETION_INDEX": "4", "JOB_COMPLETION_COUNT": "4"}), "work.index"
     )
     assert_config_error(run_job("run", env={"JOB_COMPLETION_INDEX": "two"}), "JOB_COMPLETION_INDEX")
+
+
+# --- command line shapes ----------------------------------------------------------------
+
+
+def test_first_cli_value_with_a_space_is_not_dropped(run_job: Callable[..., Any]) -> None:
+    # argparse classifies "--key=a b" as a positional; right after the command it used to
+    # become the (ignored) inspect PATH, and the setting silently kept its default.
+    got = effective(run_job, "--output.uri=/mnt/my data/out", '--backend.vllm.engine_args={"seed": 1}')
+    assert got["output"]["uri"] == "/mnt/my data/out"
+    assert got["backend"]["vllm"]["engine_args"] == {"seed": 1}
+    got = effective(run_job, '--backend.vllm.engine_args={"seed": 2, "dir": "/a b"}', "--output.uri=/o")
+    assert got["backend"]["vllm"]["engine_args"] == {"seed": 2, "dir": "/a b"}
+    assert got["output"]["uri"] == "/o"
+
+
+def test_space_separated_values_and_last_flag_wins(run_job: Callable[..., Any]) -> None:
+    got = effective(run_job, "--output.uri", "/spaced", "--data.max_length", "77")
+    assert got["output"]["uri"] == "/spaced" and got["data"]["max_length"] == 77
+    assert effective(run_job, "--output.uri=/first", "--output.uri=/second")["output"]["uri"] == "/second"
+
+
+def test_stray_positional_argument_is_an_error(run_job: Callable[..., Any]) -> None:
+    assert_config_error(run_job("run", "/some/data.jsonl"), "unexpected argument", "/some/data.jsonl")
