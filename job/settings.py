@@ -289,7 +289,12 @@ def describe_validation_error(exc: ValidationError) -> str:
             parts.append(f"{key}: unknown setting (allowed under {parent or 'top level'}: {allowed})")
         else:
             msg = error["msg"].removeprefix("Value error, ")
-            parts.append(f"{key}: {msg} (got {error.get('input')!r})")
+            got = error.get("input")
+            # A section-level check (work.index < work.count) gets the whole section, or
+            # nothing at all when the values came from defaults ($JOB_COMPLETION_*):
+            # the message itself names the values then.
+            detail = "" if isinstance(got, dict) else f" (got {got!r})"
+            parts.append(f"{key}: {msg}{detail}" if error["loc"] else f"{msg}{detail}")
     return "invalid settings: " + "; ".join(parts)
 
 
