@@ -93,6 +93,25 @@ def job_env(job_cache_dir: Path) -> dict[str, str]:
     return env
 
 
+@pytest.fixture
+def job_torch_threads(job_env: dict[str, str]) -> Iterator[int]:
+    """Run this test's in-process torch with the thread count the job subprocesses use.
+
+    float32 CPU kernels may split reductions differently with another thread count
+    (differences of ~1e-7); with the same count, our reference computations and the
+    job's output are bit-identical, so tests can compare them exactly.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    threads = int(job_env["OMP_NUM_THREADS"])
+    torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def run_job(job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., JobRun]:
     """``run_job(*args, env={...}, cwd=..., timeout=...)`` runs ``python -m job *args``.

@@ -153,7 +153,7 @@ def test_ids_and_masks_equal_the_encoder(run: dict[str, Any], expected: dict[str
 
 
 def test_hidden_states_equal_the_reference_backend(
-    run: dict[str, Any], expected: dict[str, EncodedSample]
+    run: dict[str, Any], expected: dict[str, EncodedSample], job_torch_threads: int
 ) -> None:
     info = resolve_model(ModelSettings(path="builtin:tiny-llama", dtype="float32"))
     backend = HFBackend(info, LAYER_IDS, "cpu", "float32")
@@ -163,8 +163,8 @@ def test_hidden_states_equal_the_reference_backend(
         assert sample.layer_ids == LAYER_IDS
         assert sample.hidden_states.dtype == torch.float32
         assert sample.hidden_states.shape == (sample.input_ids.shape[0], len(LAYER_IDS), 128)
-        # Same weights, same float32 ops on the same CPU, one sample per forward in both:
-        # the job's output is the reference's, to the bit.
+        # Same weights, same float32 ops on the same CPU with the same thread count, one
+        # sample per forward in both: the job's output is the reference's, to the bit.
         assert torch.equal(sample.hidden_states, want), (
             sample.sample_id,
             (sample.hidden_states - want).abs().max(),
