@@ -257,6 +257,28 @@ def test_unreadable_input_file(
     assert "secret.jsonl" in line and "data" in line
 
 
+def test_input_file_with_read_errors(
+    tmp_path: Path, run_job: Callable[..., Any], tiny_llama_dir: Path
+) -> None:
+    # Works as root too: reading /proc/self/mem at offset 0 fails with EIO for anyone.
+    # The error surfaces mid-run (after the model loaded), so transformers' progress
+    # bars may precede it on stderr: the error is the last line, and the only one.
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "broken.jsonl").symlink_to("/proc/self/mem")
+    result = run_job(
+        "run", f"--data.path={data}", f"--output.uri={tmp_path / 'o'}", "--data.tokenizer_workers=0"
+    )
+    assert result.rc == 2, result.describe()
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert errors == [lines[-1]], result.stderr
+    assert "cannot read" in errors[0] and "broken.jsonl" in errors[0] and "Input/output error" in errors[0]
+    assert "Traceback" not in result.stderr
+    manifest = read_manifest(tmp_path / "o" / "index-00000")
+    assert manifest is not None and not manifest.complete and manifest.counts.written == 0
+
+
 @pytest.mark.parametrize("model", ["builtin:no-such-model", "no-such-org/no-such-model"])
 def test_unknown_model(tmp_path: Path, run_job: Callable[..., Any], model: str) -> None:
     line = one_error_line(run_job("run", f"--model.path={model}", f"--output.uri={tmp_path / 'o'}"))
