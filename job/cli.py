@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import yaml
 
 from job.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, ConfigError, JobError
-from job.logs import configure_logging, get_logger
-from job.settings import JobSettings, load_settings, settings_dump
+from job.logs import configure_logging, get_logger, scrubber
+from job.settings import JobSettings, load_settings, redact, settings_dump
 
 COMMANDS = {
     "run": "extract hidden states for this work index (the default)",
@@ -55,13 +55,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_OK
         settings = load_settings(args.config, overrides)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(_error_line(exc), file=sys.stderr)
         return EXIT_CONFIG
     if args.command == "config":
         print(yaml.safe_dump(settings_dump(settings), sort_keys=False, allow_unicode=True), end="")
         return EXIT_OK
     configure_logging(settings.log)
     return _run_command(args.command, settings)
+
+
+def _error_line(exc: Exception) -> str:
+    """The one stderr line for a fatal error, with the same scrubbing as the logs.
+
+    Messages may echo a setting's value (``(got 's3://key:secret@...')``), and stderr
+    does not pass through the log processors.
+    """
+    scrubber.refresh()
+    return "error: " + scrubber.scrub(redact(" ".join(str(exc).split())))
 
 
 def _run_command(command: str, settings: JobSettings) -> int:
@@ -79,7 +89,7 @@ def _run_command(command: str, settings: JobSettings) -> int:
     except JobError as exc:
         log.error("job_error", error=str(exc), exit_code=exc.exit_code)
         if exc.exit_code == EXIT_CONFIG:
-            print(f"error: {exc}", file=sys.stderr)
+            print(_error_line(exc), file=sys.stderr)
         return exc.exit_code
     except Exception as exc:
         log.exception("job_crashed", error=f"{type(exc).__name__}: {exc}")
