@@ -160,6 +160,20 @@ def test_config_redacts_secrets(run_job: Callable[..., Any], tmp_path: Path) -> 
     assert got["data"]["path"] == "s3://***@bucket/data/"
 
 
+def test_error_lines_do_not_echo_secrets(run_job: Callable[..., Any]) -> None:
+    # A value in the wrong setting is echoed back in the error line; stderr does not go
+    # through the log scrubber, so the CLI must scrub it itself.
+    result = run_job(
+        "config",
+        "--output.shard_bytes=s3://AKIAUSER:pass-Word7@bucket/some-secret-value-123",
+        env={"AWS_SECRET_ACCESS_KEY": "some-secret-value-123"},
+    )
+    line = assert_config_error(result, "output.shard_bytes")
+    for secret in ("some-secret-value-123", "pass-Word7", "AKIAUSER"):
+        assert secret not in result.stderr + result.stdout
+    assert "s3://***@bucket/***" in line
+
+
 # --- errors: exit 2, one line naming the key --------------------------------------------
 
 
