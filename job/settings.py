@@ -235,6 +235,8 @@ def load_settings(config_file: str | Path | None = None, cli_args: Sequence[str]
     path = Path(config_file) if config_file else None
     if path is not None and not path.is_file():
         raise ConfigError(f"--config {path}: no such file")
+    if path is not None:
+        _check_yaml_mapping(path)
     _check_env_typos(os.environ)
     token = _SOURCES.set(_Sources(path, tuple(cli_args)))
     try:
@@ -251,6 +253,22 @@ def load_settings(config_file: str | Path | None = None, cli_args: Sequence[str]
         raise ConfigError(f"settings: {message}") from None
     finally:
         _SOURCES.reset(token)
+
+
+def _check_yaml_mapping(path: Path) -> None:
+    # pydantic-settings turns a top-level list or scalar into "cannot convert dictionary
+    # update sequence element #0 to a sequence", which names neither file nor problem.
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--config {path}: {_one_line(str(exc))}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(
+            f"--config {path}: the top level must be a mapping of sections (model:, data:, ...), "
+            f"got a {type(data).__name__}"
+        )
 
 
 def _check_env_typos(environ: Mapping[str, str]) -> None:
