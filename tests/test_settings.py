@@ -185,6 +185,22 @@ def test_unknown_key_in_yaml(run_job: Callable[..., Any], tmp_path: Path) -> Non
     assert_config_error(run_job("run", f"--config={tmp_path / 'missing.yaml'}"), "--config", "missing.yaml")
 
 
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("output: [\n", "line 2"), ("- 1\n- 2\n", "must be a mapping"), ("just a string\n", "got a str")],
+)
+def test_malformed_yaml(run_job: Callable[..., Any], tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    assert_config_error(run_job("config", f"--config={path}"), "--config", "broken.yaml", needle)
+
+
+def test_empty_yaml_is_no_settings(run_job: Callable[..., Any], tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing here\n")
+    assert effective(run_job, f"--config={path}") == effective(run_job)
+
+
 def test_unknown_top_level_key_in_yaml(run_job: Callable[..., Any], tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("outputs:\n  uri: /x\n")
