@@ -63,7 +63,7 @@ def records() -> list[dict[str, Any]]:
         }
     )
     out.append({"id": "tok-1", "input_ids": list(range(1, 60)), "loss_mask": [0] * 20 + [1] * 39})
-    out.append({"id": "tok-2", "input_ids": [5, 6, 7]})
+    out.append({"id": "tok-ü🚀", "input_ids": [5, 6, 7]})  # non-ASCII id in the shard header
     return out
 
 
