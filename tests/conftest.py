@@ -2,9 +2,12 @@
 
 * ``job_cache_dir`` (session, autouse): JOB_CACHE_DIR points at a session temp dir,
   so the builtin tiny models are built once per session and never in ~/.cache.
+* ``builtin_model`` / ``tiny_llama_dir``: a builtin model's directory (built on first use).
 * ``job_env``: a hermetic environment for ``python -m job`` subprocesses.
-* ``run_job``: run ``python -m job ARGS`` and get a ``JobRun`` (rc, stdout, stderr).
-* ``write_jsonl`` / ``write_parquet``: write a data set file (parents created).
+* ``run_job``: run ``python -m job ARGS`` and get a ``JobRun`` (rc, stdout, stderr, events).
+* ``fast_args``: flags that make a CPU run cheap (inline tokenizer, float32).
+* ``job_torch_threads``: in-process torch at the subprocesses' thread count (exact compares).
+* ``write_jsonl`` / ``write_parquet`` / ``read_jsonl``: data set and output files.
 """
 
 from __future__ import annotations
@@ -72,12 +75,13 @@ def tiny_llama_dir(builtin_model: Callable[[str], Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
-def job_env(job_cache_dir: Path) -> dict[str, str]:
+def job_env(job_cache_dir: Path, tiny_llama_dir: Path) -> dict[str, str]:
     """The base environment of a ``python -m job`` subprocess.
 
     Every JOB_* variable of the outer environment is dropped (a CI runner may set
-    JOB_COMPLETION_INDEX or JOB_NAME), the hub is offline (no test may download), and
-    the process gets the same interpreter's package set.
+    JOB_COMPLETION_INDEX or JOB_NAME) and the hub is offline (no test may download).
+    builtin:tiny-llama (the default model) is built before any subprocess starts, so
+    concurrent runs do not each build it and their stderr holds no build progress bars.
     """
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("JOB_")}
     env.update(
