@@ -12,8 +12,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
+from job.backends import extract_all
+from job.backends.hf import HFBackend
 from job.data.encode import EncodedSample, EncoderSpec, RejectedSample, SampleEncoder
+from job.model import resolve_model
+from job.settings import ModelSettings
 from job.shards import iter_output, read_manifest
 
 SECRET = "some-secret-value-123"
@@ -124,7 +129,8 @@ def bad_run(
         # The secret inside a setting that is not secret-looking by name, so redaction
         # by key does not catch it: only the log scrubber (by value) can.
         '--backend.vllm.engine_args={"download_dir": "/models/' + SECRET + '"}',
-        *fast_args,
+        # The default model.dtype (bfloat16): the other pipeline tests use float32.
+        *(a for a in fast_args if not a.startswith("--model.dtype")),
         env={"AWS_SECRET_ACCESS_KEY": SECRET},
     )
     assert result.rc == 0, result.describe()
@@ -147,6 +153,25 @@ def test_good_records_are_written_once(bad_run: dict[str, Any]) -> None:
     assert [s.sample_id for s in samples] == WRITTEN
     # the first "ok-1" is the one kept; the later duplicate is the rejected one
     assert samples[0].input_ids.shape[0] < 40
+
+
+def test_default_bfloat16_output_matches_the_reference(
+    bad_run: dict[str, Any], tiny_llama_dir: Path, job_torch_threads: int
+) -> None:
+    samples = list(iter_output(bad_run["out"]))
+    info = resolve_model(ModelSettings(path="builtin:tiny-llama"))
+    assert info.dtype == "bfloat16"
+    reference = extract_all(
+        HFBackend(info, [2, 4, 5, 8], "cpu", "bfloat16"), [s.input_ids.numpy() for s in samples]
+    )
+    for sample, want in zip(samples, reference, strict=True):
+        assert sample.hidden_states.dtype == torch.bfloat16
+        assert torch.equal(sample.hidden_states, want), sample.sample_id
+    manifest = read_manifest(bad_run["index"])
+    assert manifest is not None and manifest.dtype == "bfloat16"
+    # 4 layers x 128 x 2 bytes + id + mask per token
+    tokens = sum(s.num_tokens for s in manifest.shards)
+    assert sum(s.bytes for s in manifest.shards) - tokens * (4 * 128 * 2 + 5) < 8192 * len(manifest.shards)
 
 
 def test_counts_account_for_every_record(bad_run: dict[str, Any]) -> None:
