@@ -126,6 +126,14 @@ def test_work_defaults_from_job_completion_env(run_job: Callable[..., Any]) -> N
     assert effective(run_job, "--work.count=8", env=completion)["work"] == {"index": 2, "count": 8}
 
 
+def test_work_count_from_yaml_index_from_kubernetes(run_job: Callable[..., Any], tmp_path: Path) -> None:
+    # The usual Indexed Job setup: the count in the config file, the index from the pod.
+    path = tmp_path / "job.yaml"
+    path.write_text("work:\n  count: 4\n")
+    got = effective(run_job, f"--config={path}", env={"JOB_COMPLETION_INDEX": "3"})
+    assert got["work"] == {"index": 3, "count": 4}
+
+
 def test_config_output_round_trips_as_a_config_file(run_job: Callable[..., Any], tmp_path: Path) -> None:
     first = run_job("config", "--output.uri=/x/y", "--layers.ids=[0,4,8]", "--data.too_long=skip")
     assert first.rc == 0, first.describe()
