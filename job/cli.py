@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import yaml
 
 from job.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, ConfigError, JobError
-from job.logs import configure_logging, get_logger
-from job.settings import JobSettings, load_settings, settings_dump
+from job.logs import configure_logging, get_logger, scrubber
+from job.settings import JobSettings, load_settings, redact, settings_dump
 
 COMMANDS = {
     "run": "extract hidden states for this work index (the default)",
@@ -47,6 +47,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_main(list(argv[1:]))
     args, overrides = _parser().parse_known_args(argv)
     try:
+        if args.path is not None and args.command not in ("inspect", "compare"):
+            if not args.path.startswith("-"):
+                raise ConfigError(
+                    f"unexpected argument {args.path!r}; settings are given as --section.key=value"
+                )
+            # argparse takes an unknown "--key=value" whose value holds a space for a
+            # positional; right after the command that is PATH, so the setting would be
+            # silently dropped. It was the first override: put it back first.
+            overrides.insert(0, args.path)
         if args.command == "compare":
             from job.compare import compare_outputs
 
@@ -64,13 +73,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_OK
         settings = load_settings(args.config, overrides)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(_error_line(exc), file=sys.stderr)
         return EXIT_CONFIG
     if args.command == "config":
         print(yaml.safe_dump(settings_dump(settings), sort_keys=False, allow_unicode=True), end="")
         return EXIT_OK
     configure_logging(settings.log)
     return _run_command(args.command, settings)
+
+
+def _error_line(exc: Exception) -> str:
+    """The one stderr line for a fatal error, with the same scrubbing as the logs.
+
+    Messages may echo a setting's value (``(got 's3://key:secret@...')``), and stderr
+    does not pass through the log processors.
+    """
+    scrubber.refresh()
+    return "error: " + scrubber.scrub(redact(" ".join(str(exc).split())))
 
 
 def _run_command(command: str, settings: JobSettings) -> int:
@@ -88,7 +107,7 @@ def _run_command(command: str, settings: JobSettings) -> int:
     except JobError as exc:
         log.error("job_error", error=str(exc), exit_code=exc.exit_code)
         if exc.exit_code == EXIT_CONFIG:
-            print(f"error: {exc}", file=sys.stderr)
+            print(_error_line(exc), file=sys.stderr)
         return exc.exit_code
     except Exception as exc:
         log.exception("job_crashed", error=f"{type(exc).__name__}: {exc}")

@@ -19,7 +19,10 @@ def inspect_path(path: str, verify: bool = False) -> str:
 
 
 def _inspect_shard(path: Path) -> str:
-    shard = Shard(path)
+    try:
+        shard = Shard(path)
+    except Exception as exc:  # not safetensors, or not ours: say so instead of a traceback
+        raise ConfigError(f"inspect: {path} is not a shard file ({_one_line(exc)})") from None
     meta = shard.metadata
     lines = [
         f"shard            {path}",
@@ -73,3 +76,7 @@ def _inspect_output(root: Path, verify: bool) -> str:
                 f"{entry.bytes} bytes, {entry.checksum.algorithm} {entry.checksum.value}{status}"
             )
     return "\n".join(lines)
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())

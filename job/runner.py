@@ -37,7 +37,16 @@ from job.shards.writer import ShardContext, ShardPlanner, ShardWriter
 from job.storage import open_index_store
 from job.storage.base import LOGS, MANIFEST, REJECTED, IndexStore
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+# Everything that decides input_ids and loss masks. Current transformers saves a model's
+# chat template to chat_template.jinja (or .json), not inside tokenizer_config.json.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def new_run_id() -> str:

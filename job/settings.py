@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,6 +236,9 @@ def load_settings(config_file: str | Path | None = None, cli_args: Sequence[str]
     path = Path(config_file) if config_file else None
     if path is not None and not path.is_file():
         raise ConfigError(f"--config {path}: no such file")
+    if path is not None:
+        _check_yaml_mapping(path)
+    _check_env_typos(os.environ)
     token = _SOURCES.set(_Sources(path, tuple(cli_args)))
     try:
         return JobSettings()
@@ -253,6 +256,48 @@ def load_settings(config_file: str | Path | None = None, cli_args: Sequence[str]
         _SOURCES.reset(token)
 
 
+def _check_yaml_mapping(path: Path) -> None:
+    # pydantic-settings turns a top-level list or scalar into "cannot convert dictionary
+    # update sequence element #0 to a sequence", which names neither file nor problem.
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--config {path}: {_one_line(str(exc))}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(
+            f"--config {path}: the top level must be a mapping of sections (model:, data:, ...), "
+            f"got a {type(data).__name__}"
+        )
+
+
+def _check_env_typos(environ: Mapping[str, str]) -> None:
+    """Reject ``JOB_OUTPUT_URI``-style names (one underscore where nesting needs two).
+
+    pydantic-settings ignores them, so the run would silently use another value (e.g.
+    write to ./out instead of the intended bucket). Only names that spell an existing
+    ``section_key`` are errors: other JOB_* variables (Kubernetes' JOB_COMPLETION_INDEX,
+    a CI system's JOB_NAME) are none of the job's business.
+    """
+    prefix = "JOB_"
+    for name in environ:
+        upper = name.upper()
+        if not upper.startswith(prefix) or "__" in upper:
+            continue
+        rest = upper[len(prefix) :].lower()
+        for section, field in JobSettings.model_fields.items():
+            annotation = field.annotation
+            if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+                continue
+            if rest.startswith(section + "_") and rest[len(section) + 1 :] in annotation.model_fields:
+                key = rest[len(section) + 1 :]
+                raise ConfigError(
+                    f"environment {name}: not a setting; nested keys need a double underscore: "
+                    f"{prefix}{section.upper()}__{key.upper()} (setting {section}.{key})"
+                )
+
+
 def describe_validation_error(exc: ValidationError) -> str:
     parts = []
     for error in exc.errors():
@@ -263,7 +308,12 @@ def describe_validation_error(exc: ValidationError) -> str:
             parts.append(f"{key}: unknown setting (allowed under {parent or 'top level'}: {allowed})")
         else:
             msg = error["msg"].removeprefix("Value error, ")
-            parts.append(f"{key}: {msg} (got {error.get('input')!r})")
+            got = error.get("input")
+            # A section-level check (work.index < work.count) gets the whole section, or
+            # nothing at all when the values came from defaults ($JOB_COMPLETION_*):
+            # the message itself names the values then.
+            detail = "" if isinstance(got, dict) else f" (got {got!r})"
+            parts.append(f"{key}: {msg}{detail}" if error["loc"] else f"{msg}{detail}")
     return "invalid settings: " + "; ".join(parts)
 
 

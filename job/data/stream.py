@@ -100,9 +100,8 @@ class EncodedStream:
             if self._count > 1 and owner_index(record.sample_id, self._count) != self._index:
                 continue
             stats.owned += 1
-            if record.sample_id in self._done_ids:
-                stats.skipped_done += 1
-                continue
+            # Duplicates first: a later record with the id of an already committed sample
+            # is still a duplicate (rejected, as in the first run), not a second "done".
             if record.sample_id in stats.seen_ids:
                 stats.duplicates += 1
                 chunk.append(
@@ -110,6 +109,9 @@ class EncodedStream:
                 )
             else:
                 stats.seen_ids.add(record.sample_id)
+                if record.sample_id in self._done_ids:
+                    stats.skipped_done += 1
+                    continue
                 chunk.append((record.sample_id, record.value, record.error))
             if len(chunk) >= CHUNK:
                 yield chunk

@@ -1,0 +1,204 @@
+"""Generic fixtures for the whole suite (other test files add their own).
+
+* ``job_cache_dir`` (session, autouse): JOB_CACHE_DIR points at a session temp dir,
+  so the builtin tiny models are built once per session and never in ~/.cache.
+* ``builtin_model`` / ``tiny_llama_dir``: a builtin model's directory (built on first use).
+* ``job_env``: a hermetic environment for ``python -m job`` subprocesses.
+* ``run_job``: run ``python -m job ARGS`` and get a ``JobRun`` (rc, stdout, stderr, events).
+* ``fast_args``: flags that make a CPU run cheap (inline tokenizer, float32).
+* ``job_torch_threads``: in-process torch at the subprocesses' thread count (exact compares).
+* ``write_jsonl`` / ``write_parquet`` / ``read_jsonl``: data set and output files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Settings that make a CPU run as cheap as it gets without changing what is tested:
+# no tokenizer process to spawn (it re-imports transformers, ~3 s) and float32, which
+# is both faster than bfloat16 on CPU and exact when compared with the reference.
+FAST_ARGS = ("--data.tokenizer_workers=0", "--model.dtype=float32")
+
+
+@dataclass(frozen=True)
+class JobRun:
+    rc: int
+    stdout: str
+    stderr: str
+
+    def __iter__(self) -> Iterator[Any]:  # allows ``rc, out, err = run_job(...)``
+        return iter((self.rc, self.stdout, self.stderr))
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The JSON log events on stdout (every non-empty line must be one)."""
+        return [json.loads(line) for line in self.stdout.splitlines() if line.strip()]
+
+    def event(self, name: str) -> dict[str, Any]:
+        """The one event called ``name``."""
+        found = [e for e in self.events if e.get("event") == name]
+        assert len(found) == 1, f"expected one {name!r} event, got {len(found)}:\n{self.stdout}"
+        return found[0]
+
+    def describe(self) -> str:
+        return f"rc={self.rc}\n--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def job_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("job-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JOB_CACHE_DIR", str(path))
+        yield path
+
+
+@pytest.fixture(scope="session")
+def builtin_model() -> Callable[[str], Path]:
+    """``builtin_model("tiny-llama")`` -> the model directory (built on first use)."""
+    from job.tiny import builtin_model_dir
+
+    return builtin_model_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(builtin_model: Callable[[str], Path]) -> Path:
+    return builtin_model("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def job_env(job_cache_dir: Path, tiny_llama_dir: Path) -> dict[str, str]:
+    """The base environment of a ``python -m job`` subprocess.
+
+    Every JOB_* variable of the outer environment is dropped (a CI runner may set
+    JOB_COMPLETION_INDEX or JOB_NAME) and the hub is offline (no test may download).
+    builtin:tiny-llama (the default model) is built before any subprocess starts, so
+    concurrent runs do not each build it and their stderr holds no build progress bars.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("JOB_")}
+    env.update(
+        JOB_CACHE_DIR=str(job_cache_dir),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        # The tiny models gain nothing from intra-op threads, and on a shared, busy
+        # machine torch's thread pool spins against other processes: one thread halves
+        # a run's wall time there.
+        OMP_NUM_THREADS="1",
+    )
+    return env
+
+
+@pytest.fixture
+def job_torch_threads(job_env: dict[str, str]) -> Iterator[int]:
+    """Run this test's in-process torch with the thread count the job subprocesses use.
+
+    float32 CPU kernels may split reductions differently with another thread count
+    (differences of ~1e-7); with the same count, our reference computations and the
+    job's output are bit-identical, so tests can compare them exactly.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    threads = int(job_env["OMP_NUM_THREADS"])
+    torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def run_job(job_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., JobRun]:
+    """``run_job(*args, env={...}, cwd=..., timeout=...)`` runs ``python -m job *args``.
+
+    ``env`` entries are added to (a value of None removes them from) the base environment.
+    The default working directory is a scratch dir, so a run that falls back to the
+    default ``output.uri: ./out`` never writes into the checkout.
+    """
+    scratch = tmp_path_factory.mktemp("job-cwd")
+
+    def run(
+        *args: str,
+        env: Mapping[str, str | None] | None = None,
+        cwd: str | Path | None = None,
+        timeout: float = 300,
+    ) -> JobRun:
+        proc = subprocess.run(
+            [sys.executable, "-m", "job", *args],
+            env=merge_env(job_env, env),
+            cwd=cwd or scratch,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        return JobRun(proc.returncode, proc.stdout, proc.stderr)
+
+    return run
+
+
+def merge_env(base: Mapping[str, str], extra: Mapping[str, str | None] | None) -> dict[str, str]:
+    env = dict(base)
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+@pytest.fixture(scope="session")
+def write_jsonl() -> Callable[[Path, Sequence[Any]], Path]:
+    """``write_jsonl(path, records)``: dicts are dumped as JSON, str/bytes written verbatim."""
+
+    def write(path: Path, records: Sequence[Any]) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("wb") as f:
+            for record in records:
+                if isinstance(record, bytes):
+                    f.write(record.rstrip(b"\n") + b"\n")
+                elif isinstance(record, str):
+                    f.write(record.rstrip("\n").encode() + b"\n")
+                else:
+                    f.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
+        return path
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def write_parquet() -> Callable[..., Path]:
+    """``write_parquet(path, rows, schema=None)``: rows (dicts) as one Parquet file."""
+
+    def write(path: Path, rows: Sequence[Mapping[str, Any]], schema: Any = None) -> Path:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(list(rows), schema=schema), path)
+        return path
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def read_jsonl() -> Callable[[Path], list[dict[str, Any]]]:
+    """``read_jsonl(path)``: the records of a JSONL file the job wrote (rejected.jsonl, logs)."""
+
+    def read(path: Path) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+    return read
+
+
+@pytest.fixture(scope="session")
+def fast_args() -> tuple[str, ...]:
+    return FAST_ARGS
