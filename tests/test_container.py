@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import shlex
 import shutil
@@ -176,7 +177,10 @@ def settings(config_text: str, tmp_path_factory: pytest.TempPathFactory) -> JobS
         del raw["output"][key]
     path = tmp_path_factory.mktemp("configmap") / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
-    return load_settings(path)
+    with pytest.MonkeyPatch.context() as env:  # the file alone, not this shell's JOB_* variables
+        for name in [n for n in os.environ if n.startswith("JOB_")]:
+            env.delenv(name)
+        return load_settings(path)
 
 
 @pytest.fixture(scope="module")
