@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import yaml
 
-from job.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, ConfigError, JobError
+from job.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_TERMINATED, ConfigError, JobError
 from job.logs import configure_logging, get_logger, scrubber
 from job.settings import JobSettings, load_settings, redact, settings_dump
 
@@ -92,6 +97,39 @@ def _error_line(exc: Exception) -> str:
     return "error: " + scrubber.scrub(redact(" ".join(str(exc).split())))
 
 
+@contextlib.contextmanager
+def _exit_on_stop_signal() -> Iterator[None]:
+    """Until the run touches its output, SIGTERM/SIGINT end the process at once.
+
+    There is nothing to make consistent yet, and waiting would only let a model
+    download run into the SIGKILL at the end of the grace period. The handler
+    must exist even so: as a container's PID 1, Python gets no default action
+    for SIGTERM (the kernel drops signals PID 1 has no handler for), so the
+    signal would be ignored. ``os._exit``, not an exception: the hub
+    download's thread pool would fetch every queued file before an exception
+    got out, and ``resolve_model`` turns exceptions into a configuration error.
+    The runner installs its graceful handler before it opens the output.
+    """
+
+    def stop_now(signum: int, _frame: Any) -> None:
+        with contextlib.suppress(Exception):  # the signal may land inside a write to stdout
+            get_logger().warning(
+                "run_stopped", signal=signal.Signals(signum).name, phase="startup", exit_code=EXIT_TERMINATED
+            )
+            sys.stdout.flush()
+        os._exit(EXIT_TERMINATED)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    previous = {sig: signal.signal(sig, stop_now) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _run_command(command: str, settings: JobSettings) -> int:
     log = get_logger()
     try:
@@ -100,9 +138,10 @@ def _run_command(command: str, settings: JobSettings) -> int:
 
             print(plan_index(settings))
             return EXIT_OK
-        from job.runner import run_job
+        with _exit_on_stop_signal():
+            from job.runner import run_job
 
-        run_job(settings)
+            run_job(settings)
         return EXIT_OK
     except JobError as exc:
         log.error("job_error", error=str(exc), exit_code=exc.exit_code)

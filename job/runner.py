@@ -147,12 +147,13 @@ def run_job(settings: JobSettings, backend: Backend | None = None) -> dict[str, 
     run_id = new_run_id()
     log = get_logger(run_id=run_id, work_index=settings.work.index)
     plan = prepare(settings)
-    store = open_index_store(settings.output, settings.work.index)
-    try:
-        with _StopFlag() as stop:
+    # Graceful from here on: opening the store may already write to the output (a lock).
+    with _StopFlag() as stop:
+        store = open_index_store(settings.output, settings.work.index)
+        try:
             return _run_index(plan, store, run_id, log, stop, backend)
-    finally:
-        store.close()
+        finally:
+            store.close()
 
 
 def _load_manifest(
