@@ -32,7 +32,7 @@ from job.model import LAYER_CONVENTION, ModelInfo, resolve_model
 from job.progress import Progress
 from job.settings import JobSettings, settings_dump
 from job.shards.format import SAFETENSORS_DTYPES, shard_number
-from job.shards.writer import ShardContext, ShardPlanner, ShardWriter
+from job.shards.writer import ShardContext, ShardPlan, ShardPlanner, ShardWriter
 from job.storage import open_index_store
 from job.storage.base import LOGS, MANIFEST, REJECTED, IndexStore
 
@@ -231,7 +231,7 @@ def _run_index(plan: RunPlan, store: IndexStore, run_id: str, log: Any, stop: _S
             if committer.error is not None:
                 raise committer.error
         if stop.event.is_set():
-            abandoned = writer.abandon_open()
+            abandoned = _abandon_open(writer, store)
             committer.close()
             status = "terminated"
             log.warning(
@@ -275,7 +275,7 @@ def _run_index(plan: RunPlan, store: IndexStore, run_id: str, log: Any, stop: _S
         if stream is not None:
             stream.close()
         if writer is not None:
-            writer.abandon_open()
+            _abandon_open(writer, store)
         if committer is not None and status == "failed":
             try:  # keep what was already finished: its shards still get listed
                 committer.close()
@@ -287,6 +287,13 @@ def _run_index(plan: RunPlan, store: IndexStore, run_id: str, log: Any, stop: _S
         log_file.flush()
         store.put_file(log_path, f"{LOGS}/{run_id}.jsonl")
         log_file.close()
+
+
+def _abandon_open(writer: ShardWriter, store: IndexStore) -> list[ShardPlan]:
+    abandoned = writer.abandon_open()
+    for shard_plan in abandoned:
+        store.release_staging(shard_plan.name)
+    return abandoned
 
 
 class _Rejections:
@@ -358,7 +365,7 @@ def _backend_inputs(
 
     def start(shard_plan: Any) -> Iterator[BackendInput]:
         nonlocal next_key
-        store.reserve_staging(shard_plan.num_tokens * writer.row_bytes)
+        store.reserve_staging(shard_plan.name, writer.layout(shard_plan).total_bytes)
         keys = writer.open(shard_plan, next_key)
         next_key += len(keys)
         for key, sample in zip(keys, shard_plan.samples, strict=True):
