@@ -138,7 +138,8 @@ def _translate(exc: Exception, setting: str, bucket: str, action: str) -> JobErr
         if code == "AccessDenied" or status == 403:
             return ConfigError(
                 f"{setting}: access denied while {action} ({code or status}); the identity needs "
-                "s3:ListBucket, s3:GetObject, s3:PutObject and s3:AbortMultipartUpload on the prefix"
+                "s3:ListBucket, s3:ListBucketMultipartUploads, s3:GetObject, s3:PutObject and "
+                "s3:AbortMultipartUpload on the prefix"
             )
         return StorageError(f"{setting}: {action} failed: {code or 'error'} (HTTP {status})")
     return StorageError(f"{setting}: {action} failed: {type(exc).__name__}: {exc}")
@@ -232,6 +233,8 @@ class S3IndexStore(IndexStore):
         """Fail before any model loads when the bucket, credentials or permissions are wrong."""
         with self._errors(f"listing {self.location}"):
             self._client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
+            # The new owner's clean-up needs it (s3:ListBucketMultipartUploads).
+            self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=self.prefix, MaxUploads=1)
         # Creating and aborting a multipart upload proves s3:PutObject and s3:AbortMultipartUpload
         # without creating an object.
         probe = f"{self.prefix}.write-probe-{secrets.token_hex(4)}"
@@ -299,8 +302,11 @@ class S3IndexStore(IndexStore):
             self._owner = True
             # Only now is this run the index's owner, so multipart uploads left under the prefix
             # belong to dead or superseded runs. (The runner writes the manifest before any shard,
-            # so none of them is this run's.)
-            self._abort_uploads()
+            # so none of them is this run's.) Hygiene only: a failure is reported, not fatal.
+            try:
+                self._abort_uploads()
+            except JobError as exc:
+                self._log.warning("multipart_cleanup_failed", error=str(exc))
         return etag
 
     def _abort_uploads(self, only_keys: set[str] | None = None) -> None:
