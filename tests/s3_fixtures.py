@@ -289,8 +289,9 @@ def multipart_uploads(s3: Any, bucket: str, prefix: str) -> list[dict[str, Any]]
 
 
 def log_objects(s3: Any, bucket: str, prefix: str) -> dict[str, bytes]:
+    """Every logs/*.jsonl object under ``prefix`` ("" for the whole bucket), by key."""
     out = {}
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix and prefix + "/"):
         for obj in page.get("Contents", []):
             if "/logs/" in obj["Key"]:
                 out[obj["Key"]] = s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()

@@ -34,7 +34,7 @@ from s3_fixtures import (  # noqa: E402
     run_job,
 )
 
-from job.errors import EXIT_CONFIG, EXIT_TERMINATED  # noqa: E402
+from job.errors import EXIT_CONFIG, EXIT_SUPERSEDED, EXIT_TERMINATED  # noqa: E402
 from job.shards.format import shard_number  # noqa: E402
 
 pytest_plugins = ["s3_fixtures"]
@@ -109,7 +109,8 @@ def test_happy_path(reference: Reference, s3: Any, bucket: str) -> None:
     summary = next(e for e in events if e["event"] == "s3_output_summary")
     assert summary["shards_uploaded"] == len(shards)
     assert summary["bytes_uploaded"] == sum(entry.bytes for entry in manifest.shards)
-    assert_no_secrets(log, "".join(reference.job.stdout), "".join(reference.job.stderr))
+    manifest_bytes = s3.get_object(Bucket=bucket, Key="reference/index-00000/manifest.json")["Body"].read()
+    assert_no_secrets(log, manifest_bytes, "".join(reference.job.stdout), "".join(reference.job.stderr))
     print(
         f"\nhappy path: {len(shards)} shards ({multipart} multipart), {summary['bytes_uploaded']} bytes, "
         f"{manifest.counts.written} samples, {manifest.counts.rejected} rejected"
@@ -244,6 +245,31 @@ def test_kill_points_and_resume(
     )
 
 
+def test_takeover_by_another_run_stops_this_one(
+    reference: Reference, s3: Any, s3_endpoint: str, bucket: str, job_cache: str, tmp_path: Path
+) -> None:
+    """Another pod rewrites the manifest (a retry overlap): this run's next compare-and-swap fails,
+    it exits 3 without touching the manifest, and its logs are shipped all the same."""
+    key = "takeover/index-00000/manifest.json"
+    job = JobProcess(job_args(**s3_uris(bucket, "takeover")), job_env(s3_endpoint, job_cache))
+
+    def manifest_written() -> bool:
+        return s3.list_objects_v2(Bucket=bucket, Prefix=key).get("KeyCount", 0) > 0
+
+    job.wait_for(manifest_written, what="the run's first manifest write")
+    theirs = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    theirs["run_ids"].append("the-other-pod")
+    theirs = json.dumps(theirs).encode()
+    s3.put_object(Bucket=bucket, Key=key, Body=theirs)
+    assert job.finish() == EXIT_SUPERSEDED, job.tail()
+    assert s3.get_object(Bucket=bucket, Key=key)["Body"].read() == theirs
+    run_id = next(e["run_id"] for e in job.events if e.get("event") == "run_started")
+    log = log_objects(s3, bucket, "takeover")[f"takeover/index-00000/logs/{run_id}.jsonl"]
+    failed = [json.loads(line) for line in log.splitlines() if b'"run_failed"' in line]
+    assert failed and "Superseded: " in failed[0]["error"] and "another run changed" in failed[0]["error"]
+    assert_no_secrets(log, "".join(job.stdout), "".join(job.stderr))
+
+
 def test_injected_faults(
     reference: Reference, s3: Any, bucket: str, job_cache: str, fault_proxy: FaultProxy, tmp_path: Path
 ) -> None:
@@ -301,7 +327,10 @@ def test_unusable_output_fails_with_one_clear_line(
     if case != "missing bucket":
         listing = s3.list_objects_v2(Bucket=bucket, Prefix=case.replace(" ", "-") + "/")
         assert listing.get("KeyCount", 0) == 0, "nothing written, no manifest claimed"
-    assert_no_secrets("".join(job.stdout), "".join(job.stderr), also=secret)
+    # This run's output, and every log object any run of the session shipped.
+    assert_no_secrets(
+        "".join(job.stdout), "".join(job.stderr), *log_objects(s3, bucket, "").values(), also=secret
+    )
 
 
 def test_staging_stays_within_its_bound(
