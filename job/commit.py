@@ -69,13 +69,17 @@ class Committer:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not _STOP:
-            if self.error is not None:
-                continue  # drain; the run is failing
+            assert isinstance(item, FinishedShard)
             try:
-                assert isinstance(item, FinishedShard)
-                self._commit(item)
+                if self.error is None:
+                    self._commit(item)
+                    continue
             except BaseException as exc:
                 self.error = exc
+            # The run is failing: drop the shard and free its staging space, so that extraction
+            # waiting for that space wakes up and sees the error.
+            item.path.unlink(missing_ok=True)
+            self.store.release_staging(item.plan.name)
 
     def _commit(self, finished: FinishedShard) -> None:
         plan, path = finished.plan, finished.path
@@ -85,6 +89,7 @@ class Committer:
             kept = [s for i, s in enumerate(plan.samples) if i not in finished.failed]
             if not kept:
                 path.unlink(missing_ok=True)
+                self.store.release_staging(plan.name)
                 return
             path = _repack(path, plan, kept, self._context)
             plan = ShardPlan(plan.number, kept)

@@ -9,6 +9,9 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_FAILURE = 1  # unexpected failure; a retry may succeed (and resumes)
 EXIT_CONFIG = 2  # settings, model, data path or output unusable: fix them, retrying won't help
+# Another pod took over this index (a Kubernetes retry overlap): this pod stops and lists nothing more,
+# the other one carries on. Not a failure of the index: podFailurePolicy should Ignore it, not count it.
+EXIT_SUPERSEDED = 3
 EXIT_TERMINATED = 143  # SIGTERM honoured: committed work is consistent, a rerun resumes
 
 
@@ -26,6 +29,12 @@ class ConfigError(JobError):
 
 class StorageError(JobError):
     """The output storage failed in a way retries did not fix."""
+
+
+class Superseded(JobError):
+    """The index's manifest was changed by another run since this run last wrote it."""
+
+    exit_code = EXIT_SUPERSEDED
 
 
 class Terminated(JobError):

@@ -67,7 +67,9 @@ class _FileTee:
         with self._lock:
             if self._file is not None:
                 self._file.close()
-            self._file = path.open("a", encoding="utf-8")
+            # Line-buffered: the output sink ships this file while the run goes on (and a kill -9
+            # loses nothing already logged), so every event must reach the file whole.
+            self._file = path.open("a", encoding="utf-8", buffering=1)
             self.path = path
 
     def flush(self) -> None:

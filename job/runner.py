@@ -33,7 +33,7 @@ from job.model import LAYER_CONVENTION, ModelInfo, resolve_model
 from job.progress import Progress
 from job.settings import JobSettings, settings_dump
 from job.shards.format import SAFETENSORS_DTYPES, shard_number
-from job.shards.writer import ShardContext, ShardPlanner, ShardWriter
+from job.shards.writer import ShardContext, ShardPlan, ShardPlanner, ShardWriter
 from job.storage import open_index_store
 from job.storage.base import LOGS, MANIFEST, REJECTED, IndexStore
 
@@ -251,7 +251,7 @@ def _run_index(
                     raise error
         route.close()
         if stop.event.is_set():
-            abandoned = writer.abandon_open()
+            abandoned = _abandon_open(writer, store)
             committer.close()
             status = "terminated"
             log.warning(
@@ -302,7 +302,7 @@ def _run_index(
         if route is not None:
             route.close(raise_error=False)
         if writer is not None:
-            writer.abandon_open()
+            _abandon_open(writer, store)
         if committer is not None and status == "failed":
             try:  # keep what was already finished: its shards still get listed
                 committer.close()
@@ -314,6 +314,13 @@ def _run_index(
         log_file.flush()
         store.put_file(log_path, f"{LOGS}/{run_id}.jsonl")
         log_file.close()
+
+
+def _abandon_open(writer: ShardWriter, store: IndexStore) -> list[ShardPlan]:
+    abandoned = writer.abandon_open()
+    for shard_plan in abandoned:
+        store.release_staging(shard_plan.name)
+    return abandoned
 
 
 class _Rejections:
@@ -417,12 +424,16 @@ def _backend_inputs(
     store: IndexStore,
     reject: Any,
     stop: _StopFlag,
-) -> Iterator[BackendInput]:
+) -> Iterator[BackendInput | None]:
     next_key = 0
 
-    def start(shard_plan: Any) -> Iterator[BackendInput]:
+    def start(shard_plan: Any) -> Iterator[BackendInput | None]:
         nonlocal next_key
-        store.reserve_staging(shard_plan.num_tokens * writer.row_bytes)
+        # While staging is full, hand the backend None ("nothing new yet") instead of
+        # blocking: it may hold unfinished samples whose shards must complete (and
+        # upload) before space frees up.
+        while not store.reserve_staging(shard_plan.name, writer.layout(shard_plan).total_bytes, 0.05):
+            yield None
         keys = writer.open(shard_plan, next_key)
         next_key += len(keys)
         for key, sample in zip(keys, shard_plan.samples, strict=True):

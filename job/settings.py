@@ -130,10 +130,32 @@ class BackendSettings(Section):
     vllm: VllmSettings = Field(default_factory=VllmSettings)
 
 
+MIN_PART_SIZE = 5 * 1024**2  # S3's smallest multipart part (the last part may be smaller)
+MAX_PART_SIZE = 5 * 1024**3
+
+
 class OutputSettings(Section):
-    uri: str = Field("./out", description="Local path, file:// or s3:// URI")
+    uri: str = Field("./out", description="Local path, file:// or s3://bucket/prefix URI")
     shard_bytes: ByteSize = Field(ByteSize(2 * 1024**3), description="Target shard size")
     writer_threads: PositiveInt = Field(4, description="Threads writing hidden-state rows into shards")
+    staging_dir: str | None = Field(
+        None,
+        description="s3:// output: local directory where shards are built before upload "
+        "(a pod-local emptyDir in Kubernetes); default: a new temporary directory",
+    )
+    max_staged_bytes: ByteSize = Field(
+        ByteSize(8 * 1024**3),
+        description="s3:// output: most bytes of shards on local disk at once (being filled or "
+        "waiting for upload); when reached, extraction waits for uploads. Must hold the largest "
+        "shard; 3x shard_bytes or more keeps extraction and uploads overlapping",
+    )
+    upload_threads: PositiveInt = Field(8, description="s3:// output: parallel part uploads per shard")
+    part_size: ByteSize = Field(
+        ByteSize(64 * 1024**2),
+        description="s3:// output: multipart part size (and the size above which uploads are multipart). "
+        "Keep 64MiB or more in production; values down to S3's 5MiB minimum exist so tests can "
+        "exercise multipart uploads with small shards",
+    )
 
     @field_validator("shard_bytes")
     @classmethod
@@ -141,6 +163,23 @@ class OutputSettings(Section):
         if value < 4096:
             raise ValueError(f"{int(value)} bytes is too small for a shard; use at least 4KiB")
         return value
+
+    @field_validator("part_size")
+    @classmethod
+    def _part_size(cls, value: ByteSize) -> ByteSize:
+        if not MIN_PART_SIZE <= value <= MAX_PART_SIZE:
+            raise ValueError("S3 multipart parts must be between 5MiB and 5GiB; use 64MiB or more")
+        return value
+
+    @model_validator(mode="after")
+    def _staging_holds_a_shard(self) -> OutputSettings:
+        if self.uri.startswith("s3://") and self.max_staged_bytes < self.shard_bytes:
+            raise ValueError(
+                f"output.max_staged_bytes ({self.max_staged_bytes.human_readable()}) is smaller than "
+                f"output.shard_bytes ({self.shard_bytes.human_readable()}): staging must hold at least one "
+                "shard; raise max_staged_bytes (3x shard_bytes or more) or lower shard_bytes"
+            )
+        return self
 
 
 def _env_int(name: str, default: int) -> int:

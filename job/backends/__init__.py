@@ -47,8 +47,9 @@ class Backend(ABC):
         """What produced the data (recorded in shards and the manifest)."""
 
     @abstractmethod
-    def extract(self, inputs: Iterator[BackendInput]) -> Iterator[HiddenChunk]:
-        """Hidden states for every input, in any order, chunk by chunk."""
+    def extract(self, inputs: Iterator[BackendInput | None]) -> Iterator[HiddenChunk]:
+        """Hidden states for every input, in any order, chunk by chunk. An input of
+        None means "nothing new right now": finish pending work, then ask again."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free devices and worker processes."""

@@ -68,11 +68,13 @@ class HFBackend(Backend):
         return {"backend": "hf", "transformers_version": transformers.__version__, "device": str(self.device)}
 
     @torch.inference_mode()
-    def extract(self, inputs: Iterator[BackendInput]) -> Iterator[HiddenChunk]:
+    def extract(self, inputs: Iterator[BackendInput | None]) -> Iterator[HiddenChunk]:
         from job.quantize import to_storage
 
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         for item in inputs:
+            if item is None:  # nothing pending here: just ask again
+                continue
             ids = torch.as_tensor(item.input_ids, dtype=torch.long, device=self.device)[None]
             self._captured.clear()
             decoder(input_ids=ids, use_cache=False)

@@ -41,6 +41,9 @@ PINNED_ENGINE_ARGS = {
 }
 
 
+_EXHAUSTED = object()
+
+
 @dataclass
 class _Pending:
     key: int
@@ -178,7 +181,7 @@ class VllmBackend(Backend):
             "model_runner": self.capture_info.get("model_runner"),
         }
 
-    def extract(self, inputs: Iterator[BackendInput]) -> Iterator[HiddenChunk]:
+    def extract(self, inputs: Iterator[BackendInput | None]) -> Iterator[HiddenChunk]:
         source = iter(inputs)
         exhausted = False
         pending: dict[str, _Pending] = {}
@@ -190,9 +193,11 @@ class VllmBackend(Backend):
             while (
                 not exhausted and len(pending) < 2 * self.max_num_seqs and unscheduled < 2 * self.token_budget
             ):
-                item = next(source, None)
-                if item is None:
+                item = next(source, _EXHAUSTED)
+                if item is _EXHAUSTED:
                     exhausted = True
+                    break
+                if item is None:  # nothing new right now (e.g. staging full): run what is pending
                     break
                 request_id = f"s{item.key}"
                 self.scheduler.add_request(
@@ -203,7 +208,9 @@ class VllmBackend(Backend):
                 pending[request_id] = _Pending(item.key, item.input_ids)
                 unscheduled += len(item.input_ids)
             if self.scheduler.get_num_unfinished_requests() == 0:
-                break
+                if exhausted:
+                    break
+                continue
             # The worker takes slot `executed % slots`; make sure the driver let go of it.
             while executed - self.ring.released >= self.ring.spec.slots:
                 chunks, taken = self._take(taken, pending, releases)

@@ -117,20 +117,24 @@ class ShardWriter:
         itemsize = SAFETENSORS_DTYPES[self.context.storage_dtype][1]
         return self.context.num_layers * self.context.hidden_size * itemsize
 
-    def open(self, plan: ShardPlan, first_key: int) -> list[int]:
-        """Create the shard file for ``plan``; returns the keys of its samples."""
+    def layout(self, plan: ShardPlan) -> ShardLayout:
+        """The byte layout of ``plan``'s shard file (``total_bytes`` is its exact size)."""
         ctx = self.context
-        offsets = np.zeros(len(plan.samples) + 1, np.int64)
-        np.cumsum([s.num_tokens for s in plan.samples], out=offsets[1:])
         metadata = dict(ctx.metadata)
         metadata.update(
             format_version=FORMAT_VERSION,
             sample_ids=json.dumps([s.sample_id for s in plan.samples], ensure_ascii=False),
             num_truncated=str(sum(s.truncated for s in plan.samples)),
         )
-        layout = ShardLayout.build(
-            len(plan.samples), int(offsets[-1]), ctx.num_layers, ctx.hidden_size, ctx.storage_dtype, metadata
+        return ShardLayout.build(
+            len(plan.samples), plan.num_tokens, ctx.num_layers, ctx.hidden_size, ctx.storage_dtype, metadata
         )
+
+    def open(self, plan: ShardPlan, first_key: int) -> list[int]:
+        """Create the shard file for ``plan``; returns the keys of its samples."""
+        offsets = np.zeros(len(plan.samples) + 1, np.int64)
+        np.cumsum([s.num_tokens for s in plan.samples], out=offsets[1:])
+        layout = self.layout(plan)
         path = self._staging_path(plan.name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:

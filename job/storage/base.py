@@ -66,11 +66,15 @@ class IndexStore(ABC):
     def local_path(self, name: str) -> Path:
         """A local, writable path for a small file that will be published with put_file."""
 
-    def reserve_staging(self, nbytes: int) -> None:  # noqa: B027 - optional hook
-        """Wait until ``nbytes`` of local staging space is free (bounded stores only)."""
+    def reserve_staging(self, name: str, nbytes: int, timeout_s: float | None = None) -> bool:
+        """Reserve ``nbytes`` of local staging space for shard ``name``, waiting at most
+        ``timeout_s`` (None: as long as it takes); False if it is not free by then. Only
+        bounded stores ever wait. ``commit_shard(..., name, ...)`` gives the space back; so
+        does ``release_staging``."""
+        return True
 
-    def release_staging(self, nbytes: int) -> None:  # noqa: B027 - optional hook
-        """Give back staging space reserved for a shard that was abandoned."""
+    def release_staging(self, name: str) -> None:  # noqa: B027 - optional hook
+        """Give back the staging space of shard ``name``, which will not be committed."""
 
     def drain(self) -> None:  # noqa: B027 - optional hook
         """Wait for background work (uploads) to finish."""
