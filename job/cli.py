@@ -1,4 +1,5 @@
-"""Command line: ``python -m job [run|config|plan|inspect] [--config FILE] [--key.sub=value ...]``."""
+"""Command line: ``python -m job [run|config|plan|inspect] [--config FILE] [--key.sub=value ...]``
+and ``python -m job export --format speculators SRC DST``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ COMMANDS = {
     "config": "print the effective settings (secrets redacted) and exit",
     "plan": "read and tokenize the data; print samples, tokens, bytes and shards for this index",
     "inspect": "summarize a shard file or an output directory",
+    "export": "convert an output directory (SRC) into another trainer's layout in DST (--format speculators)",
 }
 
 
@@ -28,14 +30,22 @@ def _parser() -> argparse.ArgumentParser:
         "(environment: JOB_OUTPUT__URI). `python -m job config` lists them all.",
     )
     parser.add_argument("command", nargs="?", default="run", choices=list(COMMANDS))
-    parser.add_argument("path", nargs="?", help="inspect: shard file or output directory")
+    parser.add_argument("path", nargs="?", help="inspect: shard file or output directory; export: SRC")
+    parser.add_argument("dest", nargs="?", help="export: DST, a new or empty directory")
     parser.add_argument("--config", help="YAML settings file (over config/default.yaml)")
-    parser.add_argument("--verify", action="store_true", help="inspect: recompute shard checksums")
+    parser.add_argument("--verify", action="store_true", help="inspect, export: recompute shard checksums")
+    parser.add_argument("--format", dest="fmt", help="export: the target layout (speculators)")
+    parser.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="export: also export when some index is unfinished (only what is committed)",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args, overrides = _parser().parse_known_args(argv)
+    # intermixed: positionals may follow options (export --format speculators SRC DST)
+    args, overrides = _parser().parse_known_intermixed_args(argv)
     try:
         if args.command == "inspect":
             from job.inspect import inspect_path
@@ -44,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError("inspect needs a PATH (a shard file or an output directory)")
             print(inspect_path(args.path, verify=args.verify))
             return EXIT_OK
+        if args.command == "export":
+            return _export(args, overrides)
         settings = load_settings(args.config, overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -53,6 +65,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     configure_logging(settings.log)
     return _run_command(args.command, settings)
+
+
+def _export(args: argparse.Namespace, extra: list[str]) -> int:
+    if extra:
+        raise ConfigError(f"export takes no settings; unexpected {' '.join(extra)}")
+    if not args.fmt or not args.path or not args.dest:
+        raise ConfigError("usage: python -m job export --format speculators SRC DST")
+    from job.export import export
+
+    try:
+        summary = export(args.fmt, args.path, args.dest, args.allow_incomplete, args.verify)
+    except JobError as exc:  # ConfigError included: its exit code tells a retry won't help
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(summary.describe())
+    return EXIT_OK
 
 
 def _run_command(command: str, settings: JobSettings) -> int:
