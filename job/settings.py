@@ -136,7 +136,7 @@ class OutputSettings(Section):
     storage: Literal["model", "fp8_e4m3"] = Field(
         "model",
         description="Hidden-state storage: model = the model dtype; fp8_e4m3 = FP8 with a float32 scale "
-        "per token and layer: about half the bytes, relative error per token and layer at most 6.5% "
+        "per token and layer: about half the bytes, relative error per token and layer at most 6.7% "
         "(typically 2.6%); the reader and the export decode it to the model dtype",
     )
 
