@@ -1,4 +1,5 @@
-"""Command line: ``python -m job [run|config|plan|inspect] [--config FILE] [--key.sub=value ...]``."""
+"""Command line: ``python -m job [run|config|plan|inspect] [--config FILE] [--key.sub=value ...]``
+and ``python -m job export --format speculators SRC DST``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ COMMANDS = {
     "inspect": "summarize a shard file or an output directory",
     "compare": "compare two outputs sample by sample (PATH = candidate, --reference = e.g. the HF output)",
     "bench": "throughput benchmark on a GPU (see docs/benchmarks.md)",
+    "export": "convert an output directory (SRC) into another trainer's layout in DST (--format speculators)",
 }
 
 
@@ -35,11 +37,18 @@ def _parser() -> argparse.ArgumentParser:
         "(environment: JOB_OUTPUT__URI). `python -m job config` lists them all.",
     )
     parser.add_argument("command", nargs="?", default="run", choices=list(COMMANDS))
-    parser.add_argument("path", nargs="?", help="inspect: shard file or output directory")
+    parser.add_argument("path", nargs="?", help="inspect: shard file or output directory; export: SRC")
+    parser.add_argument("dest", nargs="?", help="export: DST, a new or empty directory")
     parser.add_argument("--config", help="YAML settings file (over config/default.yaml)")
-    parser.add_argument("--verify", action="store_true", help="inspect: recompute shard checksums")
+    parser.add_argument("--verify", action="store_true", help="inspect, export: recompute shard checksums")
     parser.add_argument("--reference", help="compare: the reference output directory")
     parser.add_argument("--tolerance", type=float, default=2e-2, help="compare: max relative error")
+    parser.add_argument("--format", dest="fmt", help="export: the target layout (speculators)")
+    parser.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="export: also export when some index is unfinished (only what is committed)",
+    )
     return parser
 
 
@@ -50,7 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from job.bench import main as bench_main
 
         return bench_main(list(argv[1:]))
-    args, overrides = _parser().parse_known_args(argv)
+    # intermixed: positionals may follow options (export --format speculators SRC DST)
+    args, overrides = _parser().parse_known_intermixed_args(argv)
     try:
         if args.path is not None and args.command not in ("inspect", "compare"):
             if not args.path.startswith("-"):
@@ -76,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError("inspect needs a PATH (a shard file or an output directory)")
             print(inspect_path(args.path, verify=args.verify))
             return EXIT_OK
+        if args.command == "export":
+            return _export(args, overrides)
         settings = load_settings(args.config, overrides)
     except ConfigError as exc:
         print(_error_line(exc), file=sys.stderr)
@@ -128,6 +140,22 @@ def _exit_on_stop_signal() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _export(args: argparse.Namespace, extra: list[str]) -> int:
+    if extra:
+        raise ConfigError(f"export takes no settings; unexpected {' '.join(extra)}")
+    if not args.fmt or not args.path or not args.dest:
+        raise ConfigError("usage: python -m job export --format speculators SRC DST")
+    from job.export import export
+
+    try:
+        summary = export(args.fmt, args.path, args.dest, args.allow_incomplete, args.verify)
+    except JobError as exc:  # ConfigError included: its exit code tells a retry won't help
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(summary.describe())
+    return EXIT_OK
 
 
 def _run_command(command: str, settings: JobSettings) -> int:

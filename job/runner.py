@@ -64,7 +64,7 @@ def tokenizer_fingerprint(model: ModelInfo, chat_template: str | None) -> str:
 
 
 def storage_dtype(settings: JobSettings) -> str:
-    storage = getattr(settings.output, "storage", "model")
+    storage = settings.output.storage
     return settings.model.dtype if storage == "model" else storage
 
 

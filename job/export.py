@@ -1,0 +1,515 @@
+"""``python -m job export --format speculators SRC DST``: our shards as speculators' training data.
+
+speculators (>= 0.5; read against 0.9.0, whose trainer loads data with
+``speculators.train.data.ArrowDataset``) trains from one directory holding
+
+* an HF ``datasets`` dataset (``save_to_disk``, torch format), one row per sample:
+  ``input_ids`` and ``loss_mask`` (int64 [T]) and ``seq_len`` (0.9 packs batches by
+  it). We add ``sample_id``, so every row traces back to our shards;
+* ``hidden_states/hs_{row}.safetensors``: ``hidden_states`` [T, L, H] and ``token_ids``
+  int64 [T]. The trainer takes ``hidden_states[:, :-1]`` as the auxiliary layers and
+  ``hidden_states[:, -1]`` as the verifier's last hidden state, and drops a row whose
+  ``token_ids`` differ from its ``input_ids``;
+* ``token_freq.pt``: {token id: count among assistant tokens}, from which
+  ``--draft-vocab-size`` builds the draft vocabulary.
+
+Beside them ``eagle3_extract.json`` records the layer ids in both numberings, that the
+last layer is pre-norm, the model and the manifests the rows came from. It is written
+last: an export without it is unfinished.
+
+Only shards that a manifest lists are read, through a ``ShardSource``; only one
+sample's hidden states are in memory at a time. FP8 shards are decoded to the model
+dtype, which is what speculators' default (file) hidden-states backend reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from job.checksum import crc64nvme_file
+from job.errors import ConfigError, JobError
+from job.manifest import Manifest, ShardEntry
+from job.model import LAYER_CONVENTION, LAYER_CONVENTION_TEXT
+from job.shards import Shard
+from job.storage.base import MANIFEST, index_dir_name
+
+FORMATS = ("speculators",)
+METADATA = "eagle3_extract.json"
+HIDDEN_STATES_DIR = "hidden_states"
+TOKEN_FREQ = "token_freq.pt"
+SPECULATORS_VERIFIED = "0.9.0"  # the release the tests load exports with
+
+_ROWS = pa.schema(
+    [
+        ("input_ids", pa.list_(pa.int64())),
+        ("loss_mask", pa.list_(pa.int64())),
+        ("seq_len", pa.int64()),
+        ("sample_id", pa.string()),
+    ]
+)
+_ROWS_PER_BATCH = 1024  # Arrow record batches of this many rows (ids and masks only: small)
+
+
+@dataclass(frozen=True)
+class SourceIndex:
+    name: str  # index-00000, or the directory's name when SRC is one index directory
+    manifest: Manifest | None  # None: the index has committed nothing
+    manifest_sha256: str | None
+
+
+class ShardSource(ABC):
+    """Where an export reads from: a local output directory; S3 plugs in here.
+
+    An S3 source (with the storage module, job/storage/s3.py) lists ``index-*/manifest.json``
+    and, in ``open_shard``, downloads one shard to a temporary file, verifies its checksum
+    and removes it afterwards, so local disk holds one shard at a time.
+    """
+
+    location: str
+    single_index: bool  # SRC is one index directory rather than an output directory
+
+    @abstractmethod
+    def indexes(self) -> list[SourceIndex]:
+        """Every index present, in index order."""
+
+    @abstractmethod
+    def shard_metadata(self, index: str, entry: ShardEntry) -> dict[str, str]:
+        """The safetensors ``__metadata__`` of a shard (a remote source reads just the header)."""
+
+    @abstractmethod
+    def open_shard(self, index: str, entry: ShardEntry) -> AbstractContextManager[Shard]:
+        """Shard ``entry`` of ``index``, readable while the context lasts."""
+
+
+class LocalSource(ShardSource):
+    def __init__(self, root: Path, verify: bool) -> None:
+        if not root.is_dir():
+            raise ConfigError(f"export SRC {root}: not a directory (give an output directory or one index-*)")
+        self.location = str(root)
+        self.verify = verify
+        dirs = sorted(d for d in root.glob("index-*") if d.is_dir())
+        self.single_index = not dirs and (root / MANIFEST).is_file()
+        self._dirs = {root.name: root} if self.single_index else {d.name: d for d in dirs}
+
+    def indexes(self) -> list[SourceIndex]:
+        found = []
+        for name, directory in self._dirs.items():
+            path = directory / MANIFEST
+            data = path.read_bytes() if path.is_file() else None
+            found.append(
+                SourceIndex(
+                    name,
+                    None if data is None else Manifest.from_bytes(data, str(path)),
+                    None if data is None else hashlib.sha256(data).hexdigest(),
+                )
+            )
+        return found
+
+    def _listed(self, index: str, entry: ShardEntry) -> Path:
+        path = self._dirs[index] / entry.name
+        if not path.is_file():
+            raise JobError(f"{path}: listed in {index}/{MANIFEST} but missing")
+        return path
+
+    def shard_metadata(self, index: str, entry: ShardEntry) -> dict[str, str]:
+        with safe_open(str(self._listed(index, entry)), framework="pt") as f:
+            return f.metadata() or {}
+
+    @contextmanager
+    def open_shard(self, index: str, entry: ShardEntry) -> Iterator[Shard]:
+        path = self._listed(index, entry)
+        if self.verify and (actual := crc64nvme_file(path)) != entry.checksum.value:
+            raise JobError(
+                f"{path}: checksum {actual} differs from the manifest's {entry.checksum.value}; "
+                "the shard is damaged: re-run that index into a new output"
+            )
+        yield Shard(path)
+
+
+def open_source(src: str, verify: bool = False) -> ShardSource:
+    if src.startswith("s3://"):
+        raise ConfigError(
+            f"export SRC {src}: reading S3 arrives with the S3 storage module (job/storage/s3.py); "
+            "until then copy the output to a local directory and export that"
+        )
+    return LocalSource(Path(src.removeprefix("file://")).expanduser(), verify)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Which stored layers go where: speculators wants the verifier's layer (id N) last."""
+
+    stored: list[int]  # layer ids as the shards hold them (our numbering)
+    num_layers: int  # N, the model's decoder layers
+    order: list[int]  # positions along the stored L axis, in export order
+
+    @property
+    def exported(self) -> list[int]:
+        return [self.stored[i] for i in self.order]
+
+    @property
+    def aux(self) -> list[int]:
+        return self.exported[:-1]
+
+    @property
+    def reordered(self) -> bool:
+        return self.order != list(range(len(self.stored)))
+
+
+def plan_layers(layer_ids: list[int], num_layers: int) -> LayerPlan:
+    """Move layer N to the end (auxiliary layers keep their order), or refuse without it.
+
+    Reordering is safe because the draft's fc layer sees the auxiliary layers in the order
+    of its target_layer_ids, which the metadata states. Without N there is nothing to
+    build the training targets from: the trainer would silently take an auxiliary layer
+    as the verifier's output.
+    """
+    if num_layers not in layer_ids:
+        raise ConfigError(
+            f"export: the shards hold layers {layer_ids} but not {num_layers}, the last layer's "
+            "output, which speculators uses as the verifier's last hidden state (its training "
+            f"targets); re-extract with layers.ids including {num_layers}, e.g. the default"
+        )
+    if len(layer_ids) < 2:
+        raise ConfigError(
+            f"export: the shards hold only layer {num_layers}; speculators needs auxiliary "
+            "layers besides it (EAGLE-3's default: layers.ids omitted)"
+        )
+    last = layer_ids.index(num_layers)
+    order = [i for i in range(len(layer_ids)) if i != last] + [last]
+    return LayerPlan(list(layer_ids), num_layers, order)
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    dest: Path
+    rows: int
+    tokens: int
+    assistant_tokens: int
+    rows_without_assistant_tokens: int
+    layers: LayerPlan
+    hidden_dtype: str
+    model_path: str
+
+    def describe(self) -> str:
+        plan = self.layers
+        note = f" (reordered from stored {plan.stored})" if plan.reordered else ""
+        return "\n".join(
+            [
+                f"exported         {self.rows} samples, {self.tokens} tokens "
+                f"({self.assistant_tokens} assistant) to {self.dest}",
+                f"hidden states    layers {plan.exported}{note}, {self.hidden_dtype}, last = verifier "
+                f"(layer {plan.num_layers}, before the final norm)",
+                f"train with       speculators train --verifier-name-or-path {self.model_path} "
+                f"--data-path {self.dest} --target-layer-ids {' '.join(map(str, plan.aux))} ...",
+                *(
+                    [f"note             {self.rows_without_assistant_tokens} rows have no assistant tokens"]
+                    if self.rows_without_assistant_tokens
+                    else []
+                ),
+            ]
+        )
+
+
+def export(
+    fmt: str, src: str, dest: str, allow_incomplete: bool = False, verify: bool = False
+) -> ExportSummary:
+    if fmt not in FORMATS:
+        raise ConfigError(f"export --format {fmt!r}: unknown; choose one of {', '.join(FORMATS)}")
+    return export_speculators(open_source(src, verify), Path(dest), allow_incomplete)
+
+
+def export_speculators(source: ShardSource, dest: Path, allow_incomplete: bool = False) -> ExportSummary:
+    datasets = _import_datasets()
+    indexes = _usable_indexes(source, allow_incomplete)
+    reference = indexes[0].manifest
+    entries = [(index.name, entry) for index in indexes for entry in index.manifest.shards]
+    first_shard = source.shard_metadata(*entries[0])
+    num_layers = int(first_shard["num_model_layers"])
+    hidden_dtype = first_shard["model_dtype"]
+    plan = plan_layers(reference.identity.layer_ids, num_layers)
+    order = torch.tensor(plan.order)
+
+    _claim_dest(dest)
+    hidden_dir = dest / HIDDEN_STATES_DIR
+    hidden_dir.mkdir()
+    staging = dest / ".staging"  # not dest itself: datasets refuses to save a dataset over its own files
+    staging.mkdir()
+    rows_file = staging / "rows.arrow"
+    token_freq: Counter[int] = Counter()
+    row = tokens = assistant = unsupervised = 0
+    row_ranges: dict[tuple[str, str], list[int]] = {}
+    progress = tqdm(
+        total=sum(e.num_samples for _, e in entries), unit="sample", disable=not sys.stderr.isatty()
+    )
+    with pa.OSFile(str(rows_file), "wb") as sink, pa.ipc.new_stream(sink, _ROWS) as writer:
+        batch = _RowBatch()
+        for index_name, entry in entries:
+            first_row = row
+            with source.open_shard(index_name, entry) as shard:
+                _check_shard(shard, entry, plan, index_name)
+                for sample in shard:
+                    ids = sample.input_ids.long()
+                    mask = sample.loss_mask.long()
+                    states = sample.hidden_states
+                    if plan.reordered:
+                        states = states.index_select(1, order)
+                    save_file(
+                        {"hidden_states": states.contiguous(), "token_ids": ids},
+                        str(hidden_dir / f"hs_{row}.safetensors"),
+                    )
+                    targets = ids[mask.bool()]
+                    token_freq.update(targets.tolist())
+                    batch.add(ids, mask, sample.sample_id)
+                    if len(batch) == _ROWS_PER_BATCH:
+                        writer.write_batch(batch.take())
+                    row += 1
+                    tokens += len(ids)
+                    assistant += len(targets)
+                    unsupervised += not len(targets)
+                    progress.update()
+            row_ranges[(index_name, entry.name)] = [first_row, row]
+        if len(batch):
+            writer.write_batch(batch.take())
+    progress.close()
+
+    datasets.disable_progress_bars()  # a CLI command: one summary, not a bar per internal step
+    dataset = datasets.Dataset.from_file(str(rows_file)).with_format("torch")
+    dataset.save_to_disk(str(dest))
+    del dataset
+    shutil.rmtree(staging)
+    torch.save(dict(token_freq), dest / TOKEN_FREQ)
+
+    summary = ExportSummary(
+        dest, row, tokens, assistant, unsupervised, plan, hidden_dtype, reference.model_path
+    )
+    _write_metadata(summary, reference, indexes, row_ranges, source.location)
+    return summary
+
+
+class _RowBatch:
+    """Input ids and masks of up to _ROWS_PER_BATCH samples, waiting to become one Arrow record batch."""
+
+    def __init__(self) -> None:
+        self._ids: list[list[int]] = []
+        self._masks: list[list[int]] = []
+        self._sample_ids: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, ids: torch.Tensor, mask: torch.Tensor, sample_id: str) -> None:
+        self._ids.append(ids.tolist())
+        self._masks.append(mask.tolist())
+        self._sample_ids.append(sample_id)
+
+    def take(self) -> pa.RecordBatch:
+        batch = pa.record_batch(
+            [
+                pa.array(self._ids, pa.list_(pa.int64())),
+                pa.array(self._masks, pa.list_(pa.int64())),
+                pa.array([len(i) for i in self._ids], pa.int64()),
+                pa.array(self._sample_ids, pa.string()),
+            ],
+            schema=_ROWS,
+        )
+        self._ids, self._masks, self._sample_ids = [], [], []
+        return batch
+
+
+def _import_datasets() -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(
+            "export --format speculators writes an HF `datasets` dataset and needs that package: "
+            "pip install 'eagle3-extract[export]'"
+        ) from None
+    return datasets
+
+
+@dataclass(frozen=True)
+class _Index:
+    name: str
+    manifest: Manifest
+    manifest_sha256: str
+
+
+# Manifest fields every exported index must share: one dataset, one model, one layer layout.
+_SAME_IDENTITY = ("model_config_hash", "layer_ids", "tokenizer_fingerprint", "data_fingerprint", "work_count")
+_SAME_MANIFEST = ("hidden_size", "dtype", "layer_convention")
+
+
+def _usable_indexes(source: ShardSource, allow_incomplete: bool) -> list[_Index]:
+    """The indexes to export, after checking they are complete (or allowed not to be) and alike."""
+    found = source.indexes()
+    indexes = [_Index(i.name, i.manifest, i.manifest_sha256 or "") for i in found if i.manifest is not None]
+    if not any(i.manifest.shards for i in indexes):
+        raise ConfigError(f"export SRC {source.location}: no index-* directory has committed shards")
+    reference = indexes[0]
+    problems = [f"{i.name} has no {MANIFEST} (nothing committed)" for i in found if i.manifest is None]
+    problems += [
+        f"{i.name} is incomplete ({i.manifest.counts.written} samples so far)"
+        for i in indexes
+        if not i.manifest.complete
+    ]
+    if not source.single_index:
+        count = reference.manifest.identity.work_count
+        present = {i.name for i in found}
+        missing = [name for k in range(count) if (name := index_dir_name(k)) not in present]
+        if missing:
+            problems.append(f"{', '.join(missing)} missing (work.count was {count})")
+    if problems and not allow_incomplete:
+        raise ConfigError(
+            f"export SRC {source.location}: {'; '.join(problems)}. Finish those indexes (re-run them), "
+            "or pass --allow-incomplete to export what is committed"
+        )
+    for index in indexes:
+        ours, theirs = reference.manifest.identity.model_dump(), index.manifest.identity.model_dump()
+        differ = [k for k in _SAME_IDENTITY if ours[k] != theirs[k]]
+        differ += [k for k in _SAME_MANIFEST if getattr(reference.manifest, k) != getattr(index.manifest, k)]
+        if differ:
+            raise ConfigError(
+                f"export SRC {source.location}: {index.name} differs from {reference.name} in "
+                f"{', '.join(differ)}; one export takes the indexes of one run (export the others separately)"
+            )
+        if not index.manifest.final_layer_prenorm:
+            raise ConfigError(
+                f"export SRC {source.location}: {index.name} stores its last layer after the final norm; "
+                "speculators applies the verifier's norm itself (speculators #313): it would be normed twice"
+            )
+    return indexes
+
+
+def _check_shard(shard: Shard, entry: ShardEntry, plan: LayerPlan, index: str) -> None:
+    where = f"{index}/{entry.name}"
+    if shard.layer_ids != plan.stored or int(shard.metadata["num_model_layers"]) != plan.num_layers:
+        raise JobError(
+            f"{where}: layers {shard.layer_ids} of {shard.metadata['num_model_layers']} differ from the "
+            f"manifest's {plan.stored} of {plan.num_layers}"
+        )
+    if shard.sample_ids != entry.sample_ids:
+        raise JobError(f"{where}: its samples differ from those its manifest lists; the index is damaged")
+
+
+def _claim_dest(dest: Path) -> None:
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ConfigError(
+            f"export DST {dest}: exists and is not an empty directory; an export never overwrites"
+        )
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"export DST {dest}: cannot create it: {exc.strerror}") from None
+
+
+def _legacy_ids(ids: list[int]) -> list[int | None]:
+    return [k - 1 if k > 0 else None for k in ids]
+
+
+def _write_metadata(
+    summary: ExportSummary,
+    manifest: Manifest,
+    indexes: list[_Index],
+    row_ranges: dict[tuple[str, str], list[int]],
+    location: str,
+) -> None:
+    plan = summary.layers
+    try:
+        tool_version = version("eagle3-extract")
+    except PackageNotFoundError:
+        tool_version = "unknown"
+    metadata = {
+        "format": "speculators",
+        "layout": "HF datasets save_to_disk (input_ids, loss_mask, seq_len, sample_id) + "
+        f"{HIDDEN_STATES_DIR}/hs_{{row}}.safetensors (hidden_states [T, L, H], token_ids [T]) + {TOKEN_FREQ}",
+        "speculators_min_version": "0.5.0",
+        "speculators_verified_version": SPECULATORS_VERIFIED,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "producer": f"eagle3-extract {tool_version}",
+        "rows": summary.rows,
+        "tokens": summary.tokens,
+        "assistant_tokens": summary.assistant_tokens,
+        "rows_without_assistant_tokens": summary.rows_without_assistant_tokens,
+        "model": {
+            "name": manifest.model_name,
+            "path": manifest.model_path,
+            "config_hash": manifest.identity.model_config_hash,
+            "num_layers": plan.num_layers,
+            "hidden_size": manifest.hidden_size,
+        },
+        "hidden_states": {
+            "dtype": summary.hidden_dtype,
+            "source_storage": manifest.identity.storage,
+            "note": "FP8 shards are decoded to the model dtype (value = fp8 * per-token-per-layer scale)"
+            if manifest.identity.storage == "fp8_e4m3"
+            else "copied unchanged from the shards",
+        },
+        "layers": {
+            "exported": plan.exported,
+            "stored": plan.stored,
+            "reordered": plan.reordered,
+            "ours": {"convention": LAYER_CONVENTION, "meaning": LAYER_CONVENTION_TEXT},
+            "speculators": {
+                "layer_ids": plan.exported,
+                "target_layer_ids": plan.aux,
+                "verifier_layer_id": plan.num_layers,
+                "train_args": ["--target-layer-ids", *map(str, plan.aux)],
+                "meaning": "speculators >= 0.5 numbers layers as vLLM >= 0.18 does "
+                "(eagle_aux_hidden_state_layer_ids; launch_vllm --target-layer-ids plus the last layer N): "
+                "id k = input of decoder layer k = output of layer k-1, N = output of the last layer before "
+                "the final norm. That is our numbering, so the ids carry over unchanged; hidden_states[:, i] "
+                "is layer_ids[i] and the last one is the verifier's.",
+            },
+            "legacy_generator_layer_ids": _legacy_ids(plan.exported),
+            "legacy_generator_meaning": "speculators 0.3/0.4 (VllmHiddenStatesGenerator, data_{idx}.pt) "
+            "captured the output of 0-based decoder layer idx: our id k = legacy k-1 (its default "
+            "[2, N//2, N-3, N-1] is our [3, N//2+1, N-2, N]); our id 0, the embeddings, has no legacy id",
+        },
+        "final_layer_prenorm": True,
+        "final_layer_note": f"layer {plan.num_layers} is the residual stream before the model's final norm; "
+        "the trainer applies the verifier's norm before lm_head (speculators >= 0.4 does, #313)",
+        "source": {
+            "location": location,
+            "indexes": [
+                {
+                    "name": index.name,
+                    "complete": index.manifest.complete,
+                    "manifest_sha256": index.manifest_sha256,
+                    "run_ids": index.manifest.run_ids,
+                    "written": index.manifest.counts.written,
+                    "shards": [
+                        {
+                            "name": entry.name,
+                            "checksum": entry.checksum.model_dump(),
+                            "rows": row_ranges[(index.name, entry.name)],
+                        }
+                        for entry in index.manifest.shards
+                    ],
+                }
+                for index in indexes
+            ],
+        },
+    }
+    partial = summary.dest / (METADATA + ".partial")
+    partial.write_text(json.dumps(metadata, indent=1) + "\n")
+    os.replace(partial, summary.dest / METADATA)
