@@ -23,7 +23,7 @@ import pytest
 import yaml
 from pydantic import ByteSize, TypeAdapter
 
-from job.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_TERMINATED
+from job.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_SUPERSEDED, EXIT_TERMINATED
 from job.settings import JobSettings, OutputSettings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -338,7 +338,13 @@ def test_failure_policy_follows_the_exit_codes(job: dict[str, Any], container: d
         {"containerName": container["name"], "operator": "In", "values": [EXIT_CONFIG]}
     ]
     ignore = [r for r in rules if r["action"] == "Ignore"]
-    assert [r["onPodConditions"] for r in ignore] == [[{"type": "DisruptionTarget", "status": "True"}]]
+    assert [r["onPodConditions"] for r in ignore if "onPodConditions" in r] == [
+        [{"type": "DisruptionTarget", "status": "True"}]
+    ]
+    # Superseded (another pod took the index over) is not this index's failure.
+    assert [r["onExitCodes"] for r in ignore if "onExitCodes" in r] == [
+        {"containerName": container["name"], "operator": "In", "values": [EXIT_SUPERSEDED]}
+    ]
     # A failure (1) or a honoured SIGTERM (143) is retried against the per-index budget.
     codes = {c for r in rules if "onExitCodes" in r for c in r["onExitCodes"]["values"]}
     assert not codes & {EXIT_FAILURE, EXIT_TERMINATED}
