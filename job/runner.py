@@ -212,7 +212,12 @@ def _run_index(
     route: _ChunkRouter | None = None
     status = "failed"
     try:
-        # Tokenization starts first: it fills its queue while the engine loads.
+        # Tokenization starts first: it fills its queue while the engine loads. Its
+        # thread and this one both import from transformers, whose lazy module is not
+        # safe to populate from two threads at once: resolve what both need here.
+        import transformers
+
+        _ = transformers.AutoTokenizer, transformers.AutoModelForCausalLM
         stream = EncodedStream(
             read_records(plan.files),
             plan.encoder,
