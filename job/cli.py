@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # intermixed: positionals may follow options (export --format speculators SRC DST)
     args, overrides = _parser().parse_known_intermixed_args(argv)
     try:
-        if args.path is not None and args.command not in ("inspect", "compare"):
+        if args.path is not None and args.command not in ("inspect", "compare", "export"):
             if not args.path.startswith("-"):
                 raise ConfigError(
                     f"unexpected argument {args.path!r}; settings are given as --section.key=value"
