@@ -9,6 +9,32 @@ from job.runner import prepare
 from job.settings import JobSettings
 from job.shards.writer import ShardPlanner
 
+# Measured on one H200, vLLM 0.26, Llama-3.1-8B shape, shards to local disk (docs/benchmarks.md,
+# run 20261129T102631Z): the basis of the rough wall-time estimate.
+MEASURED_TOK_PER_S = 34_132
+
+
+def active_params(config: dict) -> float:
+    """Parameters every prompt token passes through: the cost of prefill. Embedding lookups
+    and the LM head (prefill computes logits for the last token only) are left out."""
+    text = config.get("text_config") or config
+    hidden, layers = text["hidden_size"], text["num_hidden_layers"]
+    heads = text.get("num_attention_heads", 1)
+    head_dim = text.get("head_dim") or hidden // heads
+    kv = text.get("num_key_value_heads", heads)
+    attention = hidden * head_dim * (2 * heads + 2 * kv)
+    if text.get("n_routed_experts"):
+        per_token_experts = text.get("num_experts_per_tok", 1) + text.get("n_shared_experts", 0)
+        mlp = 3 * hidden * text.get("moe_intermediate_size", text["intermediate_size"]) * per_token_experts
+    else:
+        mlp = 3 * hidden * text["intermediate_size"]
+    return float(layers * (attention + mlp))
+
+
+def _duration(seconds: float) -> str:
+    hours, rest = divmod(int(seconds), 3600)
+    return f"{hours} h {rest // 60:02d} min" if hours else f"{rest // 60} min {rest % 60:02d} s"
+
 
 def _human(nbytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -62,6 +88,21 @@ def plan_index(settings: JobSettings) -> str:
         ),
         ("output bytes", _human(tokens * plan.bytes_per_token)),
         ("shards", f"{shards} of about {_human(int(settings.output.shard_bytes))}"),
+        ("estimated time", _estimate(tokens, model.config, settings.backend.tensor_parallel_size)),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _estimate(tokens: int, config: dict, tensor_parallel_size: int) -> str:
+    """A rough extraction time: the measured 8B rate scaled by parameters per token.
+
+    Scaling across GPUs is not measured yet, so TP > 1 is counted as one GPU's rate
+    times the GPU count, an upper bound on speed."""
+    from job.bench import LLAMA_3_1_8B
+
+    rate = MEASURED_TOK_PER_S * active_params(LLAMA_3_1_8B) / active_params(config) * tensor_parallel_size
+    return (
+        f"about {_duration(tokens / rate)} at ~{rate:,.0f} tok/s (H200-class GPUs, "
+        f"TP={tensor_parallel_size}; scaled from the Llama-3.1-8B measurement in docs/benchmarks.md; rough)"
+    )

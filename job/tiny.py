@@ -85,8 +85,12 @@ def builtin_model_dir(name: str) -> Path:
     """Return the directory of builtin model ``name``, building it on first use."""
     if name not in BUILTIN_MODELS:
         raise KeyError(name)
+    import transformers
+
     arch, template, eos = BUILTIN_MODELS[name]
-    key = hashlib.sha256(f"{_BUILD_VERSION}|{name}|{arch}|{template}|{eos}".encode()).hexdigest()
+    # Tokenizer files saved by transformers 5 do not load in 4.x: one build per major version.
+    major = transformers.__version__.split(".")[0]
+    key = hashlib.sha256(f"{_BUILD_VERSION}|{name}|{arch}|{template}|{eos}|{major}".encode()).hexdigest()
     target = cache_root() / f"{name}-{key[:12]}"
     if (target / "config.json").is_file():
         return target
