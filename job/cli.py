@@ -62,15 +62,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # intermixed: positionals may follow options (export --format speculators SRC DST)
     args, overrides = _parser().parse_known_intermixed_args(argv)
     try:
-        if args.path is not None and args.command not in ("inspect", "compare", "export"):
-            if not args.path.startswith("-"):
-                raise ConfigError(
-                    f"unexpected argument {args.path!r}; settings are given as --section.key=value"
-                )
-            # argparse takes an unknown "--key=value" whose value holds a space for a
-            # positional; right after the command that is PATH, so the setting would be
-            # silently dropped. It was the first override: put it back first.
-            overrides.insert(0, args.path)
+        # argparse takes an unknown "--key=value" whose value holds a space for a
+        # positional (PATH, DEST); a command without those would silently drop the
+        # setting. They were the first overrides: put them back first, in order.
+        takes = {"inspect": 1, "compare": 1, "export": 2}.get(args.command, 0)
+        stray = [p for p in (args.path, args.dest)[takes:] if p is not None]
+        for value in stray:
+            if not value.startswith("-"):
+                raise ConfigError(f"unexpected argument {value!r}; settings are given as --section.key=value")
+        overrides[:0] = stray
         if args.command == "compare":
             from job.compare import compare_outputs
 
