@@ -202,3 +202,16 @@ def read_jsonl() -> Callable[[Path], list[dict[str, Any]]]:
 @pytest.fixture(scope="session")
 def fast_args() -> tuple[str, ...]:
     return FAST_ARGS
+
+
+@pytest.fixture(scope="module")
+def inprocess_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Hermetic environment for runs through ``job.cli.main`` in this process; keeps a
+    session-wide JOB_CACHE_DIR if one is set."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not os.environ.get("JOB_CACHE_DIR"):
+            mp.setenv("JOB_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "job-cache"))
+        for key in ("JOB_COMPLETION_INDEX", "JOB_COMPLETION_COUNT"):
+            mp.delenv(key, raising=False)
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield

@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +35,6 @@ HIDDEN = 128
 RUN_ARGS = ("--data.max_length=256", "--data.tokenizer_workers=0", "--log.format=json")
 
 
-@pytest.fixture(scope="module")
-def job_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Hermetic environment for in-process runs; keeps a session-wide JOB_CACHE_DIR if one is set."""
-    with pytest.MonkeyPatch.context() as mp:
-        if not os.environ.get("JOB_CACHE_DIR"):
-            mp.setenv("JOB_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "job-cache"))
-        for key in ("JOB_COMPLETION_INDEX", "JOB_COMPLETION_COUNT"):
-            mp.delenv(key, raising=False)
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
-
-
 def run_job(out: Path, *args: str) -> None:
     rc = main(["run", f"--output.uri={out}", *RUN_ARGS, *args])
     assert rc == 0, f"python -m job run {' '.join(args)} exited {rc}"
@@ -58,7 +45,7 @@ def export(src: Path | str, dest: Path, *extra: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def two_indexes(job_env: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def two_indexes(inprocess_env: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Default layers, bfloat16, two work indexes of several small shards each."""
     out = tmp_path_factory.mktemp("src") / "out"
     for index in (0, 1):
@@ -78,7 +65,7 @@ def exported(two_indexes: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fp8_reordered(job_env: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def fp8_reordered(inprocess_env: None, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """FP8 storage and the verifier's layer stored first: the export decodes and moves it last.
 
     float32 (faster on CPU than bfloat16) also covers a model dtype other than the default.

@@ -18,8 +18,6 @@ the worst-case bound.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,18 +36,6 @@ MEAN_REL_ERROR = 0.035
 RUN_ARGS = ("--work.index=0", "--work.count=1", "--data.max_length=256", "--data.tokenizer_workers=0")
 
 
-@pytest.fixture(scope="module")
-def job_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Hermetic environment for in-process runs; keeps a session-wide JOB_CACHE_DIR if one is set."""
-    with pytest.MonkeyPatch.context() as mp:
-        if not os.environ.get("JOB_CACHE_DIR"):
-            mp.setenv("JOB_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "job-cache"))
-        for key in ("JOB_COMPLETION_INDEX", "JOB_COMPLETION_COUNT"):
-            mp.delenv(key, raising=False)
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        yield
-
-
 def run_job(out: Path, *args: str) -> Path:
     rc = main(["run", f"--output.uri={out}", "--log.format=json", *RUN_ARGS, *args])
     assert rc == 0, f"python -m job run {' '.join(args)} exited {rc}"
@@ -57,7 +43,7 @@ def run_job(out: Path, *args: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def outputs(job_env: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def outputs(inprocess_env: None, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("fp8")
     return {
         "model": run_job(base / "model"),

@@ -147,7 +147,12 @@ class VllmBackend(Backend):
                 "hs_install", args=(self.ring.spec.to_dict(), layer_ids, self.adapters.targets["capture"])
             )
             self.capture_info = next(i for i in infos if i["capturing"])
-            self.log.info("capture_installed", **self.capture_info, tp_ranks=len(infos))
+            self.log.info(
+                "capture_installed",
+                **self.capture_info,
+                tp_ranks=len(infos),
+                capturing_ranks=[i["tp_rank"] for i in infos if i["capturing"]],
+            )
             kv = self.adapters.kv_cache(self.executor, vllm_config)
             self.scheduler = self.adapters.scheduler(
                 vllm_config, kv.config, kv.block_size, kv.hash_block_size
