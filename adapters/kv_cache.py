@@ -7,6 +7,7 @@ this job never uses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,16 +19,17 @@ class KvCacheSetup:
     hash_block_size: int  # block hasher / Scheduler(hash_block_size=...)
 
 
-def _available_memory(executor: Any, kv_cache_specs: list[dict[str, Any]]) -> list[int]:
-    if any(kv_cache_specs):
-        return executor.determine_available_memory()
-    return [0] * len(kv_cache_specs)
-
-
-def _sync_max_model_len(executor: Any, vllm_config: Any, before: int) -> None:
-    # Auto-fit may shrink max_model_len while planning; the workers cached the old one.
+def _planned_configs(
+    executor: Any, vllm_config: Any, specs: list[dict[str, Any]], plan: Callable[[list[int]], list[Any]]
+) -> list[Any]:
+    """Profile free memory, plan the per-worker KV-cache configs with ``plan(available)``,
+    and pass a max_model_len shrunk by auto-fit on to the workers, which cached the old one."""
+    available = executor.determine_available_memory() if any(specs) else [0] * len(specs)
+    before = vllm_config.model_config.max_model_len
+    configs = plan(available)
     if vllm_config.model_config.max_model_len != before:
         executor.collective_rpc("update_max_model_len", args=(vllm_config.model_config.max_model_len,))
+    return configs
 
 
 def kv_cache_utils_v016(executor: Any, vllm_config: Any) -> KvCacheSetup:
@@ -35,10 +37,9 @@ def kv_cache_utils_v016(executor: Any, vllm_config: Any) -> KvCacheSetup:
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_kv_cache_configs
 
     specs = executor.get_kv_cache_specs()
-    available = _available_memory(executor, specs)
-    before = vllm_config.model_config.max_model_len
-    configs = get_kv_cache_configs(vllm_config, specs, available)
-    _sync_max_model_len(executor, vllm_config, before)
+    configs = _planned_configs(
+        executor, vllm_config, specs, lambda available: get_kv_cache_configs(vllm_config, specs, available)
+    )
     scheduler_config = generate_scheduler_kv_cache_config(configs)
     executor.initialize_from_config(configs)  # allocates and warms up
     vllm_config.cache_config.num_gpu_blocks = scheduler_config.num_blocks
@@ -66,10 +67,9 @@ def kv_cache_utils_v026(executor: Any, vllm_config: Any) -> KvCacheSetup:
 
     register_all_kvcache_specs(vllm_config)
     specs = executor.get_kv_cache_specs()
-    available = _available_memory(executor, specs)
-    before = vllm_config.model_config.max_model_len
-    configs = get_kv_cache_configs(vllm_config, specs, available)
-    _sync_max_model_len(executor, vllm_config, before)
+    configs = _planned_configs(
+        executor, vllm_config, specs, lambda available: get_kv_cache_configs(vllm_config, specs, available)
+    )
     scheduler_config = generate_scheduler_kv_cache_config(configs)
     cache = vllm_config.cache_config
     cache.num_gpu_blocks = scheduler_config.num_blocks
@@ -107,12 +107,14 @@ def kv_cache_planning_v033(executor: Any, vllm_config: Any) -> KvCacheSetup:
     global_groups = get_global_kv_cache_groups(vllm_config, specs)
     vllm_config.adjust_dcp_kv_cache_interleave_size(global_groups)
     executor.set_kv_cache_layout(layout.name, vllm_config.parallel_config.cp_kv_cache_interleave_size)
-    available = _available_memory(executor, specs)
-    before = vllm_config.model_config.max_model_len
-    configs = get_kv_cache_configs(vllm_config, specs, available, global_groups)
+    configs = _planned_configs(
+        executor,
+        vllm_config,
+        specs,
+        lambda available: get_kv_cache_configs(vllm_config, specs, available, global_groups),
+    )
     for config in configs:
         config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
-    _sync_max_model_len(executor, vllm_config, before)
     scheduler_config = generate_scheduler_kv_cache_config(configs)
     vllm_config.cache_config.num_gpu_blocks = scheduler_config.num_blocks
     groups = scheduler_config.kv_cache_groups

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,7 +163,9 @@ class VllmBackend(Backend):
             self.close()
             raise
         self.sampling_params = prefill_sampling_params()
-        self._executed = self._taken = 0  # steps run / read over the backend's lifetime
+        # Steps run / steps whose ring slot was read, over the backend's lifetime: the ring's
+        # counters run across extract() calls.
+        self._executed = self._taken = 0
         self._releases = _Releases(self.ring)
         # Shape of the work done, for logs and tests: steps that batched several
         # requests, and requests whose prefill was chunked over several steps.
@@ -190,10 +192,8 @@ class VllmBackend(Backend):
         source = iter(inputs)
         exhausted = False
         pending: dict[str, _Pending] = {}
-        releases = self._releases
         unscheduled = 0  # prompt tokens added but not yet scheduled
-        # Steps run / steps whose ring slot was read: the ring counts across calls.
-        executed, taken = self._executed, self._taken
+        slots = self.ring.spec.slots
         while True:
             while (
                 not exhausted and len(pending) < 2 * self.max_num_seqs and unscheduled < 2 * self.token_budget
@@ -217,12 +217,7 @@ class VllmBackend(Backend):
                     break
                 continue
             # The worker takes slot `executed % slots`; make sure the driver let go of it.
-            while executed - self.ring.released >= self.ring.spec.slots:
-                chunks, taken = self._take(taken, pending, releases)
-                yield from chunks
-                self._check_worker()
-                if not chunks:
-                    time.sleep(0.0005)
+            yield from self._drain(pending, lambda: self._executed - self.ring.released < slots)
             scheduler_output = self.scheduler.schedule()
             scheduled = scheduler_output.total_num_scheduled_tokens
             if scheduled == 0:
@@ -232,19 +227,10 @@ class VllmBackend(Backend):
                 )
             model_output = self.adapters.execution(self.executor, self.scheduler, scheduler_output)
             self.scheduler.update_from_output(scheduler_output, model_output)
-            executed += 1
-            self._executed = executed
+            self._executed += 1
             unscheduled -= scheduled
-            chunks, taken = self._take(taken, pending, releases)
-            self._taken = taken
-            yield from chunks
-        while taken < executed:
-            chunks, taken = self._take(taken, pending, releases)
-            yield from chunks
-            self._check_worker()
-            if not chunks:
-                time.sleep(0.0005)
-        self._taken = taken
+            yield from self._take(pending)
+        yield from self._drain(pending, lambda: self._taken >= self._executed)
         if pending:
             raise RuntimeError(f"{len(pending)} requests finished without all their hidden states")
         self.log.info("vllm_extract_finished", steps=self._executed, **self.stats)
@@ -254,14 +240,22 @@ class VllmBackend(Backend):
         if error:
             raise RuntimeError(f"capture worker failed: {error}")
 
-    def _take(
-        self, taken: int, pending: dict[str, _Pending], releases: _Releases
-    ) -> tuple[list[HiddenChunk], int]:
-        """Chunks of every step the worker has published since ``taken``."""
+    def _drain(self, pending: dict[str, _Pending], done: Callable[[], bool]) -> Iterator[HiddenChunk]:
+        """Hand on published steps until ``done()``: the worker publishes asynchronously."""
+        while not done():
+            chunks = self._take(pending)
+            yield from chunks
+            self._check_worker()
+            if not chunks:
+                time.sleep(0.0005)
+
+    def _take(self, pending: dict[str, _Pending]) -> list[HiddenChunk]:
+        """Chunks of every step the worker has published and the driver has not read yet."""
         chunks: list[HiddenChunk] = []
+        releases = self._releases
         published = self.ring.published
-        while taken < published:
-            step = taken
+        while self._taken < published:
+            step = self._taken
             header = self.ring.read_header(step)
             slot = self.ring.slots[step % self.ring.spec.slots]
             releases.hold(step, len(header["reqs"]))
@@ -303,8 +297,8 @@ class VllmBackend(Backend):
                     )
                 )
                 offset = b
-            taken += 1
-        return chunks, taken
+            self._taken += 1
+        return chunks
 
     def close(self) -> None:
         if self._closed:
