@@ -86,14 +86,13 @@ MODELS: dict[str, dict[str, Any] | None] = {
     "qwen3-8b": QWEN3_8B,
     "tiny-llama": None,  # builtin weights; a CPU smoke run of this script
 }
-GROUPS = {"plain": ["plain"], "job": ["null", "job", "job_shm"], "native": ["native"], "hf": ["hf"]}
 RESULT_TAG = "BENCH_RESULT "
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m job bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
-    ap.add_argument("--groups", default="plain,job,native,hf", help=f"comma list of {sorted(GROUPS)}")
+    ap.add_argument("--groups", default="plain,job,native,hf", help=f"comma list of {sorted(WORKERS)}")
     ap.add_argument("--num-prompts", type=int, default=500)
     ap.add_argument("--median-tokens", type=int, default=900)
     ap.add_argument("--max-tokens", type=int, default=8192)

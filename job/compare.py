@@ -40,8 +40,7 @@ class Comparison:
         )
 
 
-def compare_outputs(candidate: str | Path, reference: str | Path, reference_only: bool = False) -> Comparison:
-    """``reference_only``: compare just the samples the reference holds (a spot check)."""
+def compare_outputs(candidate: str | Path, reference: str | Path) -> Comparison:
     ref = {s.sample_id: s for s in iter_output(reference)}
     result = Comparison()
     seen = set()
@@ -49,8 +48,7 @@ def compare_outputs(candidate: str | Path, reference: str | Path, reference_only
         seen.add(sample.sample_id)
         other = ref.get(sample.sample_id)
         if other is None:
-            if not reference_only:
-                result.extra.append(sample.sample_id)
+            result.extra.append(sample.sample_id)
             continue
         if (
             not torch.equal(sample.input_ids, other.input_ids)

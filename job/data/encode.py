@@ -70,7 +70,6 @@ class SampleEncoder:
     def __init__(self, spec: EncoderSpec) -> None:
         self.spec = spec
         self._tokenizer: Any = None
-        self._has_template = self._markers = False
 
     @property
     def tokenizer(self) -> Any:
@@ -87,15 +86,18 @@ class SampleEncoder:
                 ) from None
             if self.spec.chat_template is not None:
                 tokenizer.chat_template = self.spec.chat_template
-            template = tokenizer.chat_template
-            self._has_template = isinstance(template, str) and bool(template)
-            self._markers = self._has_template and bool(_GENERATION_MARKER.search(template))
             self._tokenizer = tokenizer
         return self._tokenizer
 
     @property
+    def chat_template(self) -> str | None:
+        template = self.tokenizer.chat_template
+        return template if isinstance(template, str) and template else None
+
+    @property
     def uses_generation_markers(self) -> bool:
-        return self.tokenizer is not None and self._markers
+        template = self.chat_template
+        return template is not None and bool(_GENERATION_MARKER.search(template))
 
     @property
     def mask_method(self) -> str:
@@ -135,7 +137,7 @@ class SampleEncoder:
         return ids.astype(np.int32), mask
 
     def _conversation(self, conv: Conversation) -> tuple[np.ndarray, np.ndarray]:
-        if not (self.tokenizer is not None and self._has_template):
+        if self.chat_template is None:
             raise ConfigError(
                 f"the tokenizer at {self.spec.tokenizer_path} has no chat template, so conversations "
                 "cannot be tokenized; set data.chat_template to a Jinja template file"

@@ -197,10 +197,6 @@ class ShardWriter:
             shard.path.unlink(missing_ok=True)
         return [s.plan for s in shards]
 
-    @property
-    def open_count(self) -> int:
-        return len(self._open)
-
 
 def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
     view = memoryview(data).cast("B")
