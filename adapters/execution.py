@@ -1,14 +1,36 @@
-"""Running one scheduled step on the executor."""
+"""Submitting one scheduled step to the executor without waiting for it."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 
-def two_phase(executor: Any, scheduler: Any, scheduler_output: Any) -> Any:
-    """0.11.1+: ``execute_model`` runs the forward and returns None on the
-    generative path; ``sample_tokens`` then samples and returns the output."""
-    output = executor.execute_model(scheduler_output)
-    if output is None:
-        output = executor.sample_tokens(scheduler.get_grammar_bitmask(scheduler_output))
-    return output
+class StepResult:
+    """A submitted step: ``result()`` blocks until its model output is back."""
+
+    def __init__(self, executed: Future, sampled: Future | None) -> None:
+        self._executed = executed
+        self._sampled = sampled
+
+    def result(self) -> Any:
+        if self._sampled is None:
+            return self._executed.result()
+        output = self._sampled.result()
+        if output is None:  # sample_tokens found no state: execute_model failed; raise its error
+            self._executed.result()
+            raise RuntimeError("vLLM returned no model output for a step")
+        return output
+
+
+def two_phase(executor: Any, scheduler: Any, scheduler_output: Any) -> StepResult:
+    """0.11.1+: ``execute_model`` runs the forward (None on the generative path),
+    ``sample_tokens`` samples; both queued with ``non_block=True`` as EngineCore's
+    batch queue does, so the driver schedules the next step while this one runs.
+    A step without tokens is executed too (it carries finished request ids to the
+    workers) but has nothing to sample."""
+    executed = executor.execute_model(scheduler_output, non_block=True)
+    if scheduler_output.total_num_scheduled_tokens == 0:
+        return StepResult(executed, None)
+    grammar = scheduler.get_grammar_bitmask(scheduler_output)
+    return StepResult(executed, executor.sample_tokens(grammar, non_block=True))

@@ -1,17 +1,27 @@
-"""Scheduler construction (always the synchronous Scheduler: async scheduling
-would hide outputs from a driver that reads them step by step)."""
+"""Scheduler construction. The class follows vLLM's resolved
+``async_scheduling`` like EngineCore does (AsyncScheduler when on); the driver
+keeps at most two steps in flight either way."""
 
 from __future__ import annotations
 
 from typing import Any
 
 
+def _scheduler_class(vllm_config: Any) -> type:
+    if vllm_config.scheduler_config.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        return AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return Scheduler
+
+
 def with_block_size(vllm_config: Any, kv_cache_config: Any, block_size: int, hash_block_size: int) -> Any:
     """0.11.1 - 0.19: ``block_size`` is required (positional #4)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    return Scheduler(
+    return _scheduler_class(vllm_config)(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
@@ -24,10 +34,9 @@ def with_hash_block_size(
     vllm_config: Any, kv_cache_config: Any, block_size: int, hash_block_size: int
 ) -> Any:
     """0.20+: ``hash_block_size`` may differ from the scheduler block size (hybrid models)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    return Scheduler(
+    return _scheduler_class(vllm_config)(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),

@@ -83,7 +83,7 @@ def test_vllm_matches_the_hf_reference(outputs: tuple[Path, Path, list[dict]]) -
     assert worst[0] <= MAX_REL_ERROR, worst
 
 
-def test_batches_held_several_requests_and_long_prefills_were_chunked(
+def test_batches_held_several_requests_long_prefills_were_chunked_and_steps_overlapped(
     outputs: tuple[Path, Path, list[dict]],
 ) -> None:
     _, _, events = outputs
@@ -96,5 +96,6 @@ def test_batches_held_several_requests_and_long_prefills_were_chunked(
     stats = next(e for e in events if e["event"] == "vllm_extract_finished")
     assert stats["max_requests_per_step"] >= 2
     assert stats["chunked_requests"] >= 5
+    assert stats["max_steps_in_flight"] == 2  # step k+1 was scheduled and submitted while step k ran
     longest = max(s.input_ids.shape[0] for s in iter_output(outputs[0]))
     assert longest > TOKEN_BUDGET

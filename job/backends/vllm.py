@@ -1,9 +1,10 @@
 """The production backend: vLLM's v1 internals driven for prefill only.
 
 The driver builds the executor, KV cache and Scheduler itself and feeds it
-hand-built Requests (one sampled token each, prefix caching off, synchronous
-scheduling, chunked prefill on). Everything that differs between vLLM
-releases goes through the adapter set chosen for the installed version.
+hand-built Requests (one sampled token each, prefix caching off, chunked
+prefill on), keeping two steps in flight like EngineCore's batch queue.
+Everything that differs between vLLM releases goes through the adapter set
+chosen for the installed version.
 Hidden states arrive through a shared-memory ring from the TP rank-0 worker;
 rows are matched to samples by request id and checked against the step's own
 input ids and positions before they are handed on.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +35,6 @@ CAPTURE_EXTENSION = "adapters.worker.extension.HiddenStateCaptureExtension"
 # Engine arguments the capture depends on; engine_args may not override them.
 PINNED_ENGINE_ARGS = {
     "enable_prefix_caching": False,  # a cached prefix is not recomputed: its states would be missing
-    "async_scheduling": False,  # outputs must be visible step by step
     "enable_chunked_prefill": True,  # long samples span several steps; rows are accumulated per request
     "enforce_eager": True,  # hooks do not run inside CUDA graphs
     "skip_tokenizer_init": True,
@@ -42,6 +43,7 @@ PINNED_ENGINE_ARGS = {
 
 
 _EXHAUSTED = object()
+STEPS_IN_FLIGHT = 2
 
 
 @dataclass
@@ -168,8 +170,14 @@ class VllmBackend(Backend):
         self._executed = self._taken = 0
         self._releases = _Releases(self.ring)
         # Shape of the work done, for logs and tests: steps that batched several
-        # requests, and requests whose prefill was chunked over several steps.
-        self.stats = {"max_requests_per_step": 0, "chunked_requests": 0, "tokens": 0}
+        # requests, requests whose prefill was chunked over several steps, and
+        # whether a step was submitted while the previous one still ran.
+        self.stats = {
+            "max_requests_per_step": 0,
+            "chunked_requests": 0,
+            "tokens": 0,
+            "max_steps_in_flight": 0,
+        }
         self.log.info(
             "vllm_ready",
             kv_blocks=kv.config.num_blocks,
@@ -193,6 +201,11 @@ class VllmBackend(Backend):
         exhausted = False
         pending: dict[str, _Pending] = {}
         unscheduled = 0  # prompt tokens added but not yet scheduled
+        # Steps submitted and not yet updated, oldest first: with two in flight the
+        # workers run step k while the driver schedules step k+1 (EngineCore's batch
+        # queue). A scheduler output with no tokens is submitted too (it carries the
+        # finished request ids to the workers) but never twice in a row.
+        in_flight: deque[tuple[Any, Any]] = deque()
         slots = self.ring.spec.slots
         while True:
             while (
@@ -212,23 +225,34 @@ class VllmBackend(Backend):
                 )
                 pending[request_id] = _Pending(item.key, item.input_ids)
                 unscheduled += len(item.input_ids)
-            if self.scheduler.get_num_unfinished_requests() == 0:
+            last_was_empty = bool(in_flight) and in_flight[-1][0].total_num_scheduled_tokens == 0
+            if (
+                self.scheduler.get_num_unfinished_requests()
+                and len(in_flight) < STEPS_IN_FLIGHT
+                and not last_was_empty
+            ):
+                # The worker takes slot `executed % slots`; make sure the driver let go of it.
+                yield from self._drain(pending, lambda: self._executed - self.ring.released < slots)
+                scheduler_output = self.scheduler.schedule()
+                scheduled = scheduler_output.total_num_scheduled_tokens
+                if scheduled == 0 and not in_flight:
+                    raise RuntimeError(
+                        f"vLLM scheduled nothing with {len(pending)} requests waiting; the KV cache is too "
+                        "small for the longest sample: raise gpu_memory_utilization or lower data.max_length"
+                    )
+                step = self.adapters.execution(self.executor, self.scheduler, scheduler_output)
+                in_flight.append((scheduler_output, step))
+                self.stats["max_steps_in_flight"] = max(self.stats["max_steps_in_flight"], len(in_flight))
+                self._executed += scheduled > 0
+                unscheduled -= scheduled
+                if len(in_flight) < STEPS_IN_FLIGHT and scheduled:
+                    continue
+            if not in_flight:
                 if exhausted:
                     break
                 continue
-            # The worker takes slot `executed % slots`; make sure the driver let go of it.
-            yield from self._drain(pending, lambda: self._executed - self.ring.released < slots)
-            scheduler_output = self.scheduler.schedule()
-            scheduled = scheduler_output.total_num_scheduled_tokens
-            if scheduled == 0:
-                raise RuntimeError(
-                    f"vLLM scheduled nothing with {len(pending)} requests waiting; the KV cache is too "
-                    "small for the longest sample: raise gpu_memory_utilization or lower data.max_length"
-                )
-            model_output = self.adapters.execution(self.executor, self.scheduler, scheduler_output)
-            self.scheduler.update_from_output(scheduler_output, model_output)
-            self._executed += 1
-            unscheduled -= scheduled
+            scheduler_output, step = in_flight.popleft()
+            self.scheduler.update_from_output(scheduler_output, step.result())
             yield from self._take(pending)
         yield from self._drain(pending, lambda: self._taken >= self._executed)
         if pending:
