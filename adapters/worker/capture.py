@@ -6,12 +6,13 @@ Id k > 0 is taken at the output of layer k-1, id 0 at the input of layer 0
 (the embedding output). No layer forward is re-implemented: whatever the
 architecture computes (MLA, MoE, extra arguments) runs untouched.
 
-Per step: hooks write into one device buffer ``[tokens, L, H]``; after the
+Per step: hooks write into a device buffer ``[tokens, L, H]``; after the
 forward, a side stream converts it to the storage dtype and copies it, with
 the step's input ids, positions and finite flags, into the next free ring
 slot (pinned shared memory); a publisher thread makes the slot visible to the
-driver once the copy has landed. The compute stream only waits for that copy
-when the next step's first hook would overwrite the buffer.
+driver once the copy has landed. On CUDA, steps alternate between two device
+buffers, so step k+1's forward runs while step k is copied out: the compute
+stream only waits for the copy of step k-1.
 """
 
 from __future__ import annotations
@@ -74,20 +75,13 @@ class DecoderLayerCapture:
         self.device = param.device
         self.on_cuda = self.device.type == "cuda"
         spec = self.spec
-        self.buffer = torch.empty(
-            spec.max_tokens,
-            spec.num_layers,
-            spec.hidden_size,
-            dtype=model_dtype(worker, param),
-            device=self.device,
-        )
-        self.input_ids = torch.zeros(spec.max_tokens, dtype=torch.int32, device=self.device)
-        self.positions = torch.zeros(spec.max_tokens, dtype=torch.int32, device=self.device)
+        dtype = model_dtype(worker, param)
+        self.staging = [_StepBuffers(spec, dtype, self.device) for _ in range(2 if self.on_cuda else 1)]
+        self.current = self.staging[0]
         self.active = False
         self.armed = False  # set by hs_arm once the engine is warmed up
         self.num_tokens = 0
         self.step = 0
-        self.copy_done: torch.cuda.Event | None = None
         self.pinned = False
         self._hooks = [model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)]
         self._model_forward = model.forward
@@ -120,7 +114,7 @@ class DecoderLayerCapture:
             "num_decoder_layers": len(self.layers),
             "device": str(self.device),
             "pinned_host_buffers": self.pinned,
-            "capture_buffer_bytes": self.buffer.numel() * self.buffer.element_size(),
+            "capture_buffer_bytes": sum(b.states.numel() * b.states.element_size() for b in self.staging),
         }
 
     # hooks -------------------------------------------------------------------
@@ -131,15 +125,15 @@ class DecoderLayerCapture:
         ids = _argument(self._model_forward, "input_ids", args, kwargs)
         positions = _argument(self._model_forward, "positions", args, kwargs)
         if ids is not None:
-            self.input_ids[:n].copy_(ids[:n])
+            self.current.input_ids[:n].copy_(ids[:n])
         if positions is not None:
-            self.positions[:n].copy_(positions[:n] if positions.dim() == 1 else positions[0, :n])
+            self.current.positions[:n].copy_(positions[:n] if positions.dim() == 1 else positions[0, :n])
 
     def _input_hook(self, j: int) -> Any:
         def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self.active:
                 hidden = _argument(self._layer0_forward, "hidden_states", args, kwargs)
-                self.buffer[: self.num_tokens, j].copy_(hidden[: self.num_tokens])
+                self.current.states[: self.num_tokens, j].copy_(hidden[: self.num_tokens])
 
         return hook
 
@@ -147,12 +141,12 @@ class DecoderLayerCapture:
         def hook(_module: Any, _args: Any, output: Any) -> None:
             if not self.active:
                 return
-            n = self.num_tokens
+            n, states = self.num_tokens, self.current.states
             if isinstance(output, tuple) and len(output) >= 2 and output[1] is not None:
-                torch.add(output[0][:n], output[1][:n], out=self.buffer[:n, j])
+                torch.add(output[0][:n], output[1][:n], out=states[:n, j])
             else:
                 hidden = output[0] if isinstance(output, tuple) else output
-                self.buffer[:n, j].copy_(hidden[:n])
+                states[:n, j].copy_(hidden[:n])
 
         return hook
 
@@ -163,8 +157,9 @@ class DecoderLayerCapture:
             return self._original_execute_model(scheduler_output, *args, **kwargs)
         if n > self.spec.max_tokens:
             raise RuntimeError(f"step of {n} tokens exceeds the capture buffer ({self.spec.max_tokens})")
-        if self.copy_done is not None:  # the buffer is about to be overwritten
-            torch.cuda.current_stream(self.device).wait_event(self.copy_done)
+        self.current = self.staging[self.step % len(self.staging)]
+        if self.current.copy_done is not None:  # this buffer's last copy must land before it is overwritten
+            torch.cuda.current_stream(self.device).wait_event(self.current.copy_done)
         self.num_tokens, self.active = n, True
         try:
             output = self._original_execute_model(scheduler_output, *args, **kwargs)
@@ -174,7 +169,7 @@ class DecoderLayerCapture:
         return output
 
     def _ship(self, order: list[tuple[str, int]]) -> None:
-        n, step = self.num_tokens, self.step
+        n, step, buffers = self.num_tokens, self.step, self.current
         if sum(count for _, count in order) != n:
             raise RuntimeError(f"batch order covers {sum(c for _, c in order)} tokens, step has {n}")
         try:
@@ -184,7 +179,9 @@ class DecoderLayerCapture:
             raise
         header = {"step": step, "num_tokens": n, "reqs": order}
         if not self.on_cuda:
-            _fill_slot(slot, self.buffer[:n], self.input_ids[:n], self.positions[:n], self.spec.storage)
+            _fill_slot(
+                slot, buffers.states[:n], buffers.input_ids[:n], buffers.positions[:n], self.spec.storage
+            )
             self.ring.publish(step, header)
         else:
             compute = torch.cuda.current_stream(self.device)
@@ -193,11 +190,11 @@ class DecoderLayerCapture:
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(ready)
                 keep = _fill_slot(
-                    slot, self.buffer[:n], self.input_ids[:n], self.positions[:n], self.spec.storage
+                    slot, buffers.states[:n], buffers.input_ids[:n], buffers.positions[:n], self.spec.storage
                 )
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
-            self.copy_done = done
+            buffers.copy_done = done
             self._published.put((step, done, header, keep))
         self.step += 1
 
@@ -217,6 +214,17 @@ class DecoderLayerCapture:
             if self.pinned:
                 torch.cuda.cudart().cudaHostUnregister(self.ring.buffer.data_ptr())
         self.ring.close(unlink=False)
+
+
+class _StepBuffers:
+    """Device-side capture of one step: states, input ids, positions."""
+
+    def __init__(self, spec: RingSpec, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (spec.max_tokens, spec.num_layers, spec.hidden_size)
+        self.states = torch.empty(shape, dtype=dtype, device=device)
+        self.input_ids = torch.zeros(spec.max_tokens, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(spec.max_tokens, dtype=torch.int32, device=device)
+        self.copy_done: torch.cuda.Event | None = None
 
 
 def model_dtype(worker: Any, param: torch.Tensor) -> torch.dtype:
