@@ -254,6 +254,7 @@ def _run_index(
             for error in (route.error, committer.error):
                 if error is not None:
                     raise error
+        backend_seconds = time.monotonic() - extract_started
         route.close()
         if stop.event.is_set():
             abandoned = _abandon_open(writer, store)
@@ -290,7 +291,8 @@ def _run_index(
             "tokens": progress.tokens,
             "seconds": round(elapsed, 3),
             "tok_per_s": round(progress.tokens / elapsed, 1) if elapsed > 0 else None,
-            # from the backend being ready to the last shard committed
+            # from the backend being ready to its last rows / to the last shard committed
+            "backend_seconds": round(backend_seconds, 3),
             "extract_seconds": round(extract_seconds, 3),
             "extract_tok_per_s": round(progress.tokens / extract_seconds, 1) if extract_seconds > 0 else None,
             "bytes_written": sum(s.bytes for s in manifest.shards),
