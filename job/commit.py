@@ -1,7 +1,8 @@
 """Commit finished shards in the background, then record them in the manifest.
 
-Order per shard: (repack without failed samples) -> fsync -> checksum ->
-``store.commit_shard`` (rename / verified upload) -> manifest rewrite. A crash
+Order per shard: (repack without failed samples) -> fsync ->
+``store.commit_shard`` (rename / verified upload) -> manifest rewrite. The
+checksum comes with the finished shard (combined from its writes). A crash
 anywhere before the manifest rewrite leaves an unlisted shard that the next
 run discards, so no sample is ever listed twice or lost.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from job.checksum import ALGORITHM, crc64nvme_file
+from job.checksum import ALGORITHM
 from job.manifest import Checksum, Manifest, ShardEntry
 from job.shards.writer import FinishedShard, ShardContext, ShardPlan, ShardWriter
 from job.storage.base import IndexStore
@@ -82,7 +83,7 @@ class Committer:
             self.store.release_staging(item.plan.name)
 
     def _commit(self, finished: FinishedShard) -> None:
-        plan, path = finished.plan, finished.path
+        plan, path, checksum = finished.plan, finished.path, finished.checksum
         if finished.failed:
             for pos, reason in sorted(finished.failed.items()):
                 self._on_rejected(plan.samples[pos].sample_id, reason)
@@ -91,11 +92,10 @@ class Committer:
                 path.unlink(missing_ok=True)
                 self.store.release_staging(plan.name)
                 return
-            path = _repack(path, plan, kept, self._context)
+            path, checksum = _repack(path, plan, kept, self._context)
             plan = ShardPlan(plan.number, kept)
         with path.open("rb+") as f:
             os.fsync(f.fileno())
-        checksum = crc64nvme_file(path)
         committed = self.store.commit_shard(path, plan.name, checksum)
         entry = ShardEntry(
             name=committed.name,
@@ -120,11 +120,12 @@ class Committer:
             tokens=entry.num_tokens,
             bytes=entry.bytes,
             checksum=entry.checksum.value,
+            direct_io_bytes=finished.direct_bytes,
         )
 
 
-def _repack(path: Path, plan: ShardPlan, kept: list, context: ShardContext) -> Path:
-    """Copy the kept samples' rows of ``path`` into a fresh shard file."""
+def _repack(path: Path, plan: ShardPlan, kept: list, context: ShardContext) -> tuple[Path, str]:
+    """Copy the kept samples' rows of ``path`` into a fresh shard file; returns it and its checksum."""
     from safetensors import safe_open
 
     old_offsets = np.zeros(len(plan.samples) + 1, np.int64)
@@ -150,4 +151,4 @@ def _repack(path: Path, plan: ShardPlan, kept: list, context: ShardContext) -> P
             writer.finish_sample(key)
     path.unlink()
     assert finished, "repacked shard did not complete"
-    return target
+    return target, finished[0].checksum

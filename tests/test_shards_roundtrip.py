@@ -8,6 +8,7 @@ manifest lists exactly.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import shutil
 import struct
@@ -223,10 +224,14 @@ def test_manifest_fields(run: dict[str, Any]) -> None:
 
 
 def test_shard_bytes_follow_the_layout(run: dict[str, Any]) -> None:
-    # file = 8-byte header length + JSON header + offsets (int64, S+1) + T tokens x bytes/token
+    # file = 8-byte header length + JSON header (padded to 4 KiB) + hidden_states first
+    # + offsets (int64, S+1) + ids and masks
     for entry in run["manifest"].shards:
         path = run["index"] / entry.name
-        (header_len,) = struct.unpack("<Q", path.read_bytes()[:8])
+        raw = path.read_bytes()
+        (header_len,) = struct.unpack("<Q", raw[:8])
+        assert (8 + header_len) % 4096 == 0
+        assert json.loads(raw[8 : 8 + header_len])["hidden_states"]["data_offsets"][0] == 0
         assert (
             entry.bytes == 8 + header_len + 8 * (entry.num_samples + 1) + entry.num_tokens * BYTES_PER_TOKEN
         )

@@ -5,11 +5,17 @@ A shard is a safetensors file holding many samples, token-major:
 ==================  ========  =========  ==========================================
 tensor              dtype     shape      meaning
 ==================  ========  =========  ==========================================
+hidden_states       model     [T, L, H]  layers in ``layer_ids`` order
 sample_offsets      int64     [S+1]      sample i owns token rows [o[i], o[i+1])
 input_ids           int32     [T]        the prompt tokens
-hidden_states       model     [T, L, H]  layers in ``layer_ids`` order
 loss_mask           uint8     [T]        1 = assistant token (a training target)
 ==================  ========  =========  ==========================================
+
+Byte order in the file: the JSON header is padded with spaces (as safetensors
+allows) to a multiple of 4 KiB, and hidden_states comes first, so its rows
+sit at block-aligned offsets whenever a row is a multiple of 4 KiB (e.g. 4
+layers x 4096 x bf16 = 32 KiB): they can then be written with direct I/O.
+The smaller tensors follow in decreasing item size, each naturally aligned.
 
 With ``storage: fp8_e4m3`` hidden_states is F8_E4M3 and ``hidden_states_scale``
 (float32 [T, L]) holds per-token, per-layer scales: value = fp8 * scale.
@@ -28,6 +34,7 @@ import struct
 from dataclasses import dataclass
 
 FORMAT_VERSION = "1"
+DATA_ALIGNMENT = 4096  # the tensor data (hidden_states first) starts on a block boundary
 SUFFIX = ".safetensors"
 
 SAFETENSORS_DTYPES = {
@@ -86,18 +93,24 @@ class ShardLayout:
         metadata: dict[str, str],
     ) -> ShardLayout:
         hs_dtype, hs_size = SAFETENSORS_DTYPES[storage_dtype]
-        specs = [TensorSpec("sample_offsets", "I64", (num_samples + 1,), 8)]
+        if (num_layers * hidden_size * hs_size) % 8:
+            raise ValueError(
+                f"{num_layers} layers x hidden size {hidden_size}: rows are not 8-byte multiples"
+            )
+        specs = [
+            TensorSpec("hidden_states", hs_dtype, (num_tokens, num_layers, hidden_size), hs_size),
+            TensorSpec("sample_offsets", "I64", (num_samples + 1,), 8),
+        ]
         if storage_dtype == "fp8_e4m3":
             specs.append(TensorSpec("hidden_states_scale", "F32", (num_tokens, num_layers), 4))
         specs += [
             TensorSpec("input_ids", "I32", (num_tokens,), 4),
-            TensorSpec("hidden_states", hs_dtype, (num_tokens, num_layers, hidden_size), hs_size),
             TensorSpec("loss_mask", "U8", (num_tokens,), 1),
         ]
         entries: dict[str, object] = {"__metadata__": metadata}
         relative: dict[str, int] = {}
         pos = 0
-        for spec in specs:  # ordered so each tensor is naturally aligned
+        for spec in specs:
             entries[spec.name] = {
                 "dtype": spec.dtype,
                 "shape": list(spec.shape),
@@ -106,7 +119,7 @@ class ShardLayout:
             relative[spec.name] = pos
             pos += spec.nbytes
         body = json.dumps(entries, separators=(",", ":")).encode()
-        body += b" " * (-len(body) % 8)  # safetensors pads the header to 8 bytes
+        body += b" " * (-(8 + len(body)) % DATA_ALIGNMENT)
         header = struct.pack("<Q", len(body)) + body
         base = len(header)
         return cls(

@@ -6,15 +6,27 @@ them. Hidden-state rows are then written straight to their final offsets in
 whatever order (and from whichever thread) they arrive: no per-shard
 buffering in memory, no second copy.
 
-Rows are copied into a shared memory map of the file, not written with
-``pwrite``: a buffered write holds the file's inode lock, so writer threads
-filling one shard take turns, and a single thread allocating fresh page-cache
-pages tops out near 1-2 GB/s. Page faults on a mapping run in parallel.
+How rows reach the file:
+
+* direct I/O (``O_DIRECT``) when the filesystem takes it and the rows are
+  block-aligned in memory and in the file (the capture ring's rows are; the
+  shard layout aligns hidden_states): the page cache is skipped, so nothing is
+  left for the commit's fsync to write out, and the disk sees large
+  sequential writes;
+* otherwise a copy into a shared memory map of the file (tmpfs, odd row
+  sizes). Not ``pwrite``: a buffered write holds the file's inode lock, so
+  writer threads filling one shard would take turns; page faults on a
+  mapping run in parallel.
+
+The shard's CRC64NVME is combined from per-write checksums of the source
+bytes, so committing never reads the shard back; combining also proves that
+every byte of the file was written exactly once.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import mmap
 import os
@@ -25,9 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import psutil
+from awscrt.checksums import crc64nvme
 
+from job.checksum import combine_pieces
 from job.data.encode import EncodedSample
-from job.shards.format import FORMAT_VERSION, SAFETENSORS_DTYPES, ShardLayout, shard_name
+from job.shards.format import DATA_ALIGNMENT, FORMAT_VERSION, SAFETENSORS_DTYPES, ShardLayout, shard_name
 
 # Reserving a shard's blocks up front turns "disk full" into an error instead of
 # SIGBUS on a page fault of the mapping. It runs beside the first row writes (on
@@ -94,6 +109,8 @@ class FinishedShard:
     plan: ShardPlan
     path: Path
     failed: dict[int, str]  # sample position -> reason (e.g. non-finite values)
+    checksum: str  # CRC64NVME of the whole file (base64, as S3 reports it)
+    direct_bytes: int  # bytes written with direct I/O
 
 
 @dataclass
@@ -101,6 +118,7 @@ class _OpenShard:
     plan: ShardPlan
     path: Path
     fd: int
+    direct_fd: int | None  # O_DIRECT descriptor, where the filesystem and row size allow
     mapping: mmap.mmap
     data: np.ndarray  # uint8 view of ``mapping``
     allocated: Future  # the file's blocks, reserved in the background
@@ -109,12 +127,29 @@ class _OpenShard:
     row_bytes: int
     remaining: int  # samples not yet finished
     failed: dict[int, str] = field(default_factory=dict)
+    pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (offset, length, crc) per write
+    direct_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def put(self, offset: int, values: np.ndarray | memoryview | bytes) -> None:
+        """Write raw bytes at ``offset`` and record their checksum."""
+        source = np.frombuffer(memoryview(values).cast("B"), np.uint8)
+        direct = self.direct_fd is not None and source.ctypes.data % DATA_ALIGNMENT == 0
+        if direct:
+            _pwrite_all(self.direct_fd, source, offset)
+        else:
+            self.data[offset : offset + source.size] = source  # numpy drops the GIL while copying
+        crc = crc64nvme(source)
+        with self.lock:
+            self.pieces.append((offset, source.size, crc))
+            self.direct_bytes += source.size if direct else 0
 
     def close(self) -> None:
         del self.data
         self.mapping.close()
         os.close(self.fd)
+        if self.direct_fd is not None:
+            os.close(self.direct_fd)
 
 
 class ShardWriter:
@@ -167,15 +202,26 @@ class ShardWriter:
             raise
         data = np.frombuffer(mapping, np.uint8)
         allocated = _ALLOCATOR.submit(_allocate, fd, layout.total_bytes, path)
+        direct_fd = _open_direct(path) if self.row_bytes % DATA_ALIGNMENT == 0 else None
         shard = _OpenShard(
-            plan, path, fd, mapping, data, allocated, layout, offsets, self.row_bytes, len(plan.samples)
+            plan,
+            path,
+            fd,
+            direct_fd,
+            mapping,
+            data,
+            allocated,
+            layout,
+            offsets,
+            self.row_bytes,
+            len(plan.samples),
         )
         try:
             ids = np.concatenate([s.input_ids for s in plan.samples]).astype(np.int32, copy=False)
             mask = np.concatenate([s.loss_mask for s in plan.samples]).astype(np.uint8, copy=False)
             for name, values in (("sample_offsets", offsets), ("input_ids", ids), ("loss_mask", mask)):
-                _put(data, layout.offsets[name], values)
-            _put(data, 0, np.frombuffer(layout.header, np.uint8))
+                shard.put(layout.offsets[name], values)
+            shard.put(0, layout.header)
         except BaseException:
             allocated.exception()  # wait: the file descriptor is about to close
             shard.close()
@@ -197,10 +243,10 @@ class ShardWriter:
             raise ValueError(
                 f"rows {start}..{start + count} exceed sample {shard.plan.samples[pos].sample_id}"
             )
-        _put(shard.data, shard.layout.offsets["hidden_states"] + first_row * shard.row_bytes, rows)
+        shard.put(shard.layout.offsets["hidden_states"] + first_row * shard.row_bytes, rows)
         if scales is not None:
             scale_row = self.context.num_layers * 4
-            _put(shard.data, shard.layout.offsets["hidden_states_scale"] + first_row * scale_row, scales)
+            shard.put(shard.layout.offsets["hidden_states_scale"] + first_row * scale_row, scales)
 
     def finish_sample(self, key: int, failure: str | None = None) -> None:
         """All rows of sample ``key`` are written (or it failed with ``failure``)."""
@@ -218,7 +264,10 @@ class ShardWriter:
                 shard.allocated.result()
             finally:
                 shard.close()
-            self._on_finished(FinishedShard(shard.plan, shard.path, shard.failed))
+            checksum = combine_pieces(shard.pieces, shard.layout.total_bytes, shard.path.name)
+            self._on_finished(
+                FinishedShard(shard.plan, shard.path, shard.failed, checksum, shard.direct_bytes)
+            )
 
     def abandon_open(self) -> list[ShardPlan]:
         """Drop every unfinished shard (its samples will be redone by a later run)."""
@@ -233,10 +282,38 @@ class ShardWriter:
         return [s.plan for s in shards]
 
 
-def _put(data: np.ndarray, offset: int, values: np.ndarray | memoryview | bytes) -> None:
-    """Copy raw bytes into the mapped file at ``offset`` (numpy drops the GIL while copying)."""
-    source = np.frombuffer(memoryview(values).cast("B"), np.uint8)
-    data[offset : offset + source.size] = source
+def _open_direct(path: Path) -> int | None:
+    if _filesystem_type(str(path.parent)) in _MEMORY_FILESYSTEMS:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_DIRECT)
+    except OSError:  # e.g. EINVAL: the filesystem has no direct I/O
+        return None
+
+
+# tmpfs accepts O_DIRECT (Linux 6.6+) but serves it as a buffered write, which
+# holds the inode lock: the mapping is faster there.
+_MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+@functools.lru_cache(maxsize=16)
+def _filesystem_type(directory: str) -> str:
+    """The type of the filesystem holding ``directory`` (its deepest mount point)."""
+    resolved = os.path.realpath(directory)
+    mounts = [
+        m
+        for m in psutil.disk_partitions(all=True)
+        if resolved == m.mountpoint or resolved.startswith(m.mountpoint.rstrip("/") + "/")
+    ]
+    return max(mounts, key=lambda m: len(m.mountpoint)).fstype if mounts else ""
+
+
+def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
 
 
 def _allocate(fd: int, size: int, path: Path) -> None:

@@ -1,0 +1,126 @@
+"""The shard writer's two write paths and its combined checksum, on real files.
+
+Rows whose size is a multiple of 4 KiB, coming from page-aligned memory (as the
+capture ring's do), go to disk with direct I/O; anything else, and anything on
+tmpfs, is copied into a mapping of the file. Either way the file must read back
+exactly and carry the checksum of its bytes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from awscrt.checksums import crc64nvme
+
+from job.checksum import combine_pieces, crc64nvme_bytes, crc64nvme_file
+from job.data.encode import EncodedSample
+from job.shards import open_shard
+from job.shards.writer import FinishedShard, ShardContext, ShardPlan, ShardWriter, _filesystem_type
+
+LAYERS, HIDDEN = 4, 512  # bf16 rows of 4 KiB
+LENGTHS = [37, 300, 5, 128]
+
+
+def _samples() -> list[EncodedSample]:
+    rng = np.random.default_rng(0)
+    return [
+        EncodedSample(
+            f"s{i}", rng.integers(0, 1000, n).astype(np.int32), (rng.random(n) < 0.5).astype(np.uint8), False
+        )
+        for i, n in enumerate(LENGTHS)
+    ]
+
+
+def _page_aligned_rows(tokens: int) -> tuple[mmap.mmap, torch.Tensor]:
+    buffer = mmap.mmap(-1, tokens * LAYERS * HIDDEN * 2)  # anonymous mappings are page-aligned
+    rows = torch.frombuffer(buffer, dtype=torch.bfloat16).view(tokens, LAYERS, HIDDEN)
+    rows.copy_(torch.randn(tokens, LAYERS, HIDDEN))
+    return buffer, rows
+
+
+def _supports_direct_io(directory: Path) -> bool:
+    if _filesystem_type(str(directory)) in ("tmpfs", "ramfs"):
+        return False
+    probe = directory / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _write(directory: Path, rows: torch.Tensor, chunk: int) -> tuple[FinishedShard, list[EncodedSample]]:
+    samples = _samples()
+    finished: list[FinishedShard] = []
+    context = ShardContext(
+        LAYERS, HIDDEN, "bfloat16", {"model_dtype": "bfloat16", "layer_ids": "[1, 2, 3, 4]"}
+    )
+    writer = ShardWriter(context, lambda name: directory / name, finished.append)
+    keys = writer.open(ShardPlan(0, samples), 0)
+    # Samples interleaved chunk by chunk, as rows of several requests arrive per step.
+    position = dict.fromkeys(keys, 0)
+    while position:
+        for key in list(position):
+            start = position[key]
+            stop = min(start + chunk, samples[key].num_tokens)
+            writer.write_rows(key, start, rows[start:stop].view(torch.uint8).numpy().data)
+            if stop == samples[key].num_tokens:
+                del position[key]
+                writer.finish_sample(key)
+            else:
+                position[key] = stop
+    assert len(finished) == 1
+    return finished[0], samples
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["page-aligned rows", "unaligned rows"])
+@pytest.mark.parametrize("where", ["tmp_path", "/dev/shm"])
+def test_rows_read_back_exactly_with_the_files_checksum(
+    aligned: bool, where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    directory = (
+        tmp_path
+        if where == "tmp_path"
+        else Path("/dev/shm") / f"writer-test-{os.getpid()}-{request.node.name}"
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        buffer, rows = _page_aligned_rows(max(LENGTHS) + 1)
+        if not aligned:  # one row in: still 4 KiB multiples, but 2 bytes off the page
+            rows = torch.frombuffer(buffer, dtype=torch.bfloat16)[1 : 1 + max(LENGTHS) * LAYERS * HIDDEN]
+            rows = rows.view(max(LENGTHS), LAYERS, HIDDEN)
+        finished, samples = _write(directory, rows, chunk=64)
+
+        assert finished.checksum == crc64nvme_file(finished.path)
+        direct = aligned and _supports_direct_io(directory)
+        hidden_bytes = sum(LENGTHS) * LAYERS * HIDDEN * 2
+        assert finished.direct_bytes == (hidden_bytes if direct else 0), _filesystem_type(str(directory))
+        shard = open_shard(finished.path)
+        for i, sample in enumerate(samples):
+            got = shard.sample(i)
+            assert got.sample_id == sample.sample_id
+            assert torch.equal(got.input_ids, torch.from_numpy(sample.input_ids))
+            assert torch.equal(got.loss_mask, torch.from_numpy(sample.loss_mask))
+            assert torch.equal(got.hidden_states, rows[: sample.num_tokens])
+    finally:
+        if where != "tmp_path":
+            for path in directory.iterdir():
+                path.unlink()
+            directory.rmdir()
+
+
+def test_the_checksum_refuses_pieces_that_do_not_tile_the_file() -> None:
+    data = os.urandom(100)
+    pieces = [(0, 40, crc64nvme(data[:40])), (40, 60, crc64nvme(data[40:]))]
+    assert combine_pieces(pieces, 100, "x") == crc64nvme_bytes(data)
+    with pytest.raises(ValueError, match=r"x: bytes 40\.\.50 written twice or never"):
+        combine_pieces([pieces[0], (50, 50, crc64nvme(data[50:]))], 100, "x")
+    with pytest.raises(ValueError, match=r"x: bytes 40\.\.100 never written"):
+        combine_pieces(pieces[:1], 100, "x")
