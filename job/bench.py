@@ -531,9 +531,16 @@ class _RowsFromMemory(Backend):
     name = "memory"
 
     def __init__(self, num_layers: int, hidden_size: int, max_tokens: int, token_budget: int) -> None:
+        import mmap
+
         import torch
 
-        self.rows = torch.randn(max_tokens, num_layers, hidden_size).to(torch.bfloat16)
+        # page-aligned, like the capture ring, so rows can take the direct I/O path
+        self._buffer = mmap.mmap(-1, max_tokens * num_layers * hidden_size * 2)
+        self.rows = torch.frombuffer(self._buffer, dtype=torch.bfloat16).view(
+            max_tokens, num_layers, hidden_size
+        )
+        self.rows.copy_(torch.randn(max_tokens, num_layers, hidden_size))
         self.token_budget = token_budget
 
     @property
