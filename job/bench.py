@@ -414,6 +414,7 @@ def _job_row(config: str, prompts: list[np.ndarray], totals: dict[str, Any], not
         bytes_written=totals["bytes_written"],
         shards=totals["shards"],
         tail_seconds=round(seconds - totals["backend_seconds"], 3),
+        direct_io_bytes=totals["direct_io_bytes"],
         notes=notes,
     )
 

@@ -46,6 +46,7 @@ class Committer:
         self._lock = threading.Lock()
         self.error: BaseException | None = None
         self.committed_samples = 0
+        self.direct_io_bytes = 0  # of the shards committed by this run
         self._thread = threading.Thread(target=self._run, name="shard-committer", daemon=True)
         self._thread.start()
 
@@ -112,6 +113,7 @@ class Committer:
             counts.written += entry.num_samples
             counts.truncated += entry.num_truncated
             self.committed_samples = counts.written
+            self.direct_io_bytes += finished.direct_bytes
         self.write_manifest()
         self._log.info(  # type: ignore[attr-defined]
             "shard_committed",

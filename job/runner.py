@@ -296,6 +296,7 @@ def _run_index(
             "extract_seconds": round(extract_seconds, 3),
             "extract_tok_per_s": round(progress.tokens / extract_seconds, 1) if extract_seconds > 0 else None,
             "bytes_written": sum(s.bytes for s in manifest.shards),
+            "direct_io_bytes": committer.direct_io_bytes,
         }
         log.info("run_finished", **totals)
         return totals
