@@ -124,3 +124,21 @@ def test_the_checksum_refuses_pieces_that_do_not_tile_the_file() -> None:
         combine_pieces([pieces[0], (50, 50, crc64nvme(data[50:]))], 100, "x")
     with pytest.raises(ValueError, match=r"x: bytes 40\.\.100 never written"):
         combine_pieces(pieces[:1], 100, "x")
+
+
+def test_page_aligned_memory_of_an_odd_length_is_not_written_directly(tmp_path: Path) -> None:
+    """Direct I/O needs address, offset and length aligned: a page-aligned buffer
+    of an odd size (a header, ids) must take the mapping, not fail with EINVAL."""
+    samples = _samples()[:1]
+    context = ShardContext(
+        LAYERS, HIDDEN, "bfloat16", {"model_dtype": "bfloat16", "layer_ids": "[1, 2, 3, 4]"}
+    )
+    writer = ShardWriter(context, lambda name: tmp_path / name, lambda _finished: None)
+    writer.open(ShardPlan(0, samples), 0)
+    shard = writer._open[0]
+    odd = mmap.mmap(-1, 4096)
+    odd[:100] = os.urandom(100)
+    shard.put(0, memoryview(odd)[:100])  # would raise EINVAL through O_DIRECT
+    assert shard.direct_bytes == 0
+    assert bytes(shard.data[:100]) == odd[:100]
+    writer.abandon_open()

@@ -134,7 +134,10 @@ class _OpenShard:
     def put(self, offset: int, values: np.ndarray | memoryview | bytes) -> None:
         """Write raw bytes at ``offset`` and record their checksum."""
         source = np.frombuffer(memoryview(values).cast("B"), np.uint8)
-        direct = self.direct_fd is not None and source.ctypes.data % DATA_ALIGNMENT == 0
+        # O_DIRECT needs the memory address, the file offset and the length block-aligned.
+        direct = (
+            self.direct_fd is not None and (source.ctypes.data | offset | source.size) % DATA_ALIGNMENT == 0
+        )
         if direct:
             _pwrite_all(self.direct_fd, source, offset)
         else:
