@@ -1,15 +1,14 @@
 """Commit finished shards in the background, then record them in the manifest.
 
-Order per shard: (repack without failed samples) -> fsync ->
-``store.commit_shard`` (rename / verified upload) -> manifest rewrite. The
-checksum comes with the finished shard (combined from its writes). A crash
+Order per shard: (repack without failed samples) -> ``store.commit_shard``
+(fsync + rename / verified upload) -> manifest rewrite. The checksum comes
+with the finished shard (combined from its writes). A crash
 anywhere before the manifest rewrite leaves an unlisted shard that the next
 run discards, so no sample is ever listed twice or lost.
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Callable
@@ -95,8 +94,6 @@ class Committer:
                 return
             path, checksum = _repack(path, plan, kept, self._context)
             plan = ShardPlan(plan.number, kept)
-        with path.open("rb+") as f:
-            os.fsync(f.fileno())
         committed = self.store.commit_shard(path, plan.name, checksum)
         entry = ShardEntry(
             name=committed.name,

@@ -238,7 +238,9 @@ def _run_index(
         )
         committer = Committer(store, manifest, version, context, rejections.add, log)
         committer.write_manifest()
-        writer = ShardWriter(context, store.shard_staging_path, committer.submit)
+        writer = ShardWriter(
+            context, store.shard_staging_path, committer.submit, direct_io=store.staging_is_output
+        )
         planner = ShardPlanner(
             int(settings.output.shard_bytes),
             plan.bytes_per_token,

@@ -56,13 +56,15 @@ def _supports_direct_io(directory: Path) -> bool:
         probe.unlink(missing_ok=True)
 
 
-def _write(directory: Path, rows: torch.Tensor, chunk: int) -> tuple[FinishedShard, list[EncodedSample]]:
+def _write(
+    directory: Path, rows: torch.Tensor, chunk: int, direct_io: bool = True
+) -> tuple[FinishedShard, list[EncodedSample]]:
     samples = _samples()
     finished: list[FinishedShard] = []
     context = ShardContext(
         LAYERS, HIDDEN, "bfloat16", {"model_dtype": "bfloat16", "layer_ids": "[1, 2, 3, 4]"}
     )
-    writer = ShardWriter(context, lambda name: directory / name, finished.append)
+    writer = ShardWriter(context, lambda name: directory / name, finished.append, direct_io=direct_io)
     keys = writer.open(ShardPlan(0, samples), 0)
     # Samples interleaved chunk by chunk, as rows of several requests arrive per step.
     position = dict.fromkeys(keys, 0)
@@ -142,3 +144,15 @@ def test_page_aligned_memory_of_an_odd_length_is_not_written_directly(tmp_path: 
     assert shard.direct_bytes == 0
     assert bytes(shard.data[:100]) == odd[:100]
     writer.abandon_open()
+
+
+def test_transient_staging_keeps_rows_in_the_page_cache(tmp_path: Path) -> None:
+    """S3 staging (uploaded, then deleted) asks for no direct I/O even where it would apply."""
+    _buffer, rows = _page_aligned_rows(max(LENGTHS))
+    finished, samples = _write(tmp_path, rows, chunk=64, direct_io=False)
+    assert finished.direct_bytes == 0
+    assert finished.checksum == crc64nvme_file(finished.path)
+    shard = open_shard(finished.path)
+    assert all(
+        torch.equal(shard.sample(i).hidden_states, rows[: s.num_tokens]) for i, s in enumerate(samples)
+    )

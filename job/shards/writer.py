@@ -163,8 +163,10 @@ class ShardWriter:
         context: ShardContext,
         staging_path: Callable[[str], Path],
         on_finished: Callable[[FinishedShard], None],
+        direct_io: bool = True,
     ) -> None:
         self.context = context
+        self.direct_io = direct_io  # False: staging is transient, keep it in the page cache
         self._staging_path = staging_path
         self._on_finished = on_finished
         self._by_key: dict[int, tuple[_OpenShard, int]] = {}
@@ -205,7 +207,7 @@ class ShardWriter:
             raise
         data = np.frombuffer(mapping, np.uint8)
         allocated = _ALLOCATOR.submit(_allocate, fd, layout.total_bytes, path)
-        direct_fd = _open_direct(path) if self.row_bytes % DATA_ALIGNMENT == 0 else None
+        direct_fd = _open_direct(path) if self.direct_io and self.row_bytes % DATA_ALIGNMENT == 0 else None
         shard = _OpenShard(
             plan,
             path,

@@ -33,6 +33,10 @@ class IndexStore(ABC):
 
     index: int
     location: str  # human-readable, for messages (never holds credentials)
+    # True where the staged shard file becomes the output itself (a local directory):
+    # rows may go to it with direct I/O, and commit_shard makes it durable. False where
+    # staging is transient (uploaded, then deleted): the page cache serves it best.
+    staging_is_output: bool = True
 
     @abstractmethod
     def list_names(self) -> list[str]:
@@ -52,7 +56,7 @@ class IndexStore(ABC):
 
     @abstractmethod
     def commit_shard(self, path: Path, name: str, checksum: str) -> CommittedShard:
-        """Publish a finished shard under ``name`` (never overwriting one)."""
+        """Publish a finished shard under ``name`` (never overwriting one), durably."""
 
     @abstractmethod
     def discard(self, name: str) -> None:

@@ -73,6 +73,8 @@ class LocalIndexStore(IndexStore):
         final = self.directory / name
         if final.exists():
             raise FileExistsError(f"{final} exists; shards are never overwritten")
+        with path.open("rb+") as f:
+            os.fsync(f.fileno())
         os.replace(path, final)
         _fsync_dir(self.directory)
         return CommittedShard(name, final.stat().st_size, checksum)

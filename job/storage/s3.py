@@ -158,6 +158,8 @@ def _is_status(exc: ClientError, *statuses: int) -> bool:
 
 
 class S3IndexStore(IndexStore):
+    staging_is_output = False  # shards are uploaded from staging, then deleted
+
     def __init__(
         self,
         output: OutputSettings,
