@@ -8,13 +8,13 @@ buffering in memory, no second copy.
 
 How rows reach the file:
 
-* direct I/O (``O_DIRECT``) when the filesystem takes it and the rows are
-  block-aligned in memory and in the file (the capture ring's rows are; the
-  shard layout aligns hidden_states): the page cache is skipped, so nothing is
-  left for the commit's fsync to write out, and the disk sees large
-  sequential writes;
-* otherwise a copy into a shared memory map of the file (tmpfs, odd row
-  sizes). Not ``pwrite``: a buffered write holds the file's inode lock, so
+* direct I/O (``O_DIRECT``) when the shard is the output itself (a local
+  directory), the filesystem takes it and the rows are block-aligned in
+  memory and in the file (the capture ring's rows are; the shard layout aligns
+  hidden_states): the page cache is skipped, so nothing is left for the
+  commit's fsync to write out, and the disk sees large sequential writes;
+* otherwise a copy into a shared memory map of the file (S3 staging, tmpfs,
+  odd row sizes). Not ``pwrite``: a buffered write holds the file's inode lock, so
   writer threads filling one shard would take turns; page faults on a
   mapping run in parallel.
 
