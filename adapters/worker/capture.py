@@ -76,8 +76,8 @@ class DecoderLayerCapture:
         self.on_cuda = self.device.type == "cuda"
         spec = self.spec
         dtype = model_dtype(worker, param)
-        self.staging = [_StepBuffers(spec, dtype, self.device) for _ in range(2 if self.on_cuda else 1)]
-        self.current = self.staging[0]
+        self.step_buffers = [_StepBuffers(spec, dtype, self.device) for _ in range(2 if self.on_cuda else 1)]
+        self.current = self.step_buffers[0]
         self.active = False
         self.armed = False  # set by hs_arm once the engine is warmed up
         self.num_tokens = 0
@@ -114,7 +114,7 @@ class DecoderLayerCapture:
             "num_decoder_layers": len(self.layers),
             "device": str(self.device),
             "pinned_host_buffers": self.pinned,
-            "capture_buffer_bytes": sum(b.states.numel() * b.states.element_size() for b in self.staging),
+            "capture_buffer_bytes": sum(b.states.nbytes for b in self.step_buffers),
         }
 
     # hooks -------------------------------------------------------------------
@@ -157,7 +157,7 @@ class DecoderLayerCapture:
             return self._original_execute_model(scheduler_output, *args, **kwargs)
         if n > self.spec.max_tokens:
             raise RuntimeError(f"step of {n} tokens exceeds the capture buffer ({self.spec.max_tokens})")
-        self.current = self.staging[self.step % len(self.staging)]
+        self.current = self.step_buffers[self.step % len(self.step_buffers)]
         if self.current.copy_done is not None:  # this buffer's last copy must land before it is overwritten
             torch.cuda.current_stream(self.device).wait_event(self.current.copy_done)
         self.num_tokens, self.active = n, True
