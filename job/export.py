@@ -77,12 +77,8 @@ class SourceIndex:
 
 
 class ShardSource(ABC):
-    """Where an export reads from: a local output directory; S3 plugs in here.
-
-    An S3 source (with the storage module, job/storage/s3.py) lists ``index-*/manifest.json``
-    and, in ``open_shard``, downloads one shard to a temporary file, verifies its checksum
-    and removes it afterwards, so local disk holds one shard at a time.
-    """
+    """Where an export reads from: a local output directory, or an S3 prefix
+    (job/storage/s3_source.py, which holds one downloaded shard at a time)."""
 
     location: str
     single_index: bool  # SRC is one index directory rather than an output directory
@@ -146,11 +142,10 @@ class LocalSource(ShardSource):
 
 
 def open_source(src: str, verify: bool = False) -> ShardSource:
-    if src.startswith("s3://"):
-        raise ConfigError(
-            f"export SRC {src}: reading S3 arrives with the S3 storage module (job/storage/s3.py); "
-            "until then copy the output to a local directory and export that"
-        )
+    if src.startswith("s3://"):  # shards are always verified: each is downloaded anyway
+        from job.storage.s3_source import S3ShardSource
+
+        return S3ShardSource(src)
     return LocalSource(Path(src.removeprefix("file://")).expanduser(), verify)
 
 

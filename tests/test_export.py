@@ -271,8 +271,6 @@ def test_export_refuses_bad_arguments(
     assert "not an empty directory" in capsys.readouterr().err
     assert [p.name for p in taken.iterdir()] == ["keep.txt"]
 
-    assert export("s3://bucket/run1", tmp_path / "s3") == EXIT_CONFIG
-    assert "S3 storage module" in capsys.readouterr().err
     assert main(["export", "--format", "specforge", str(two_indexes), str(tmp_path / "x")]) == EXIT_CONFIG
     assert "speculators" in capsys.readouterr().err
     assert main(["export", str(two_indexes), str(tmp_path / "x")]) == EXIT_CONFIG  # no --format

@@ -587,7 +587,10 @@ class _ObjectReader(io.RawIOBase):
     seeking (Parquet reads its footer first) just starts the next GET elsewhere.
     """
 
-    def __init__(self, client: BaseClient, bucket: str, key: str, etag: str, size: int) -> None:
+    def __init__(
+        self, client: BaseClient, bucket: str, key: str, etag: str, size: int, setting: str = "data.path"
+    ) -> None:
+        self._setting = setting  # named in errors
         self._client = client
         self._bucket = bucket
         self._key = key
@@ -625,17 +628,19 @@ class _ObjectReader(io.RawIOBase):
                     )["Body"]
                 n = self._body.readinto(buffer)
                 if n == 0:
-                    raise StorageError(f"data.path: {where} ended at byte {self._pos} of {self._size}")
+                    raise StorageError(f"{self._setting}: {where} ended at byte {self._pos} of {self._size}")
                 self._pos += n
                 return n
             except ClientError as exc:
                 if _is_status(exc, 412):
-                    raise StorageError(f"data.path: {where} changed while the job was reading it") from None
-                raise _translate(exc, "data.path", self._bucket, f"reading {where}") from None
+                    raise StorageError(
+                        f"{self._setting}: {where} changed while the job was reading it"
+                    ) from None
+                raise _translate(exc, self._setting, self._bucket, f"reading {where}") from None
             except (BotoCoreError, StorageError) as exc:
                 self._drop_body()
                 if attempt + 1 == _READ_ATTEMPTS:
-                    raise StorageError(f"data.path: reading {where} failed: {exc}") from None
+                    raise StorageError(f"{self._setting}: reading {where} failed: {exc}") from None
                 time.sleep(random.uniform(0, 2**attempt))  # full jitter, like botocore's own backoff
         raise AssertionError("unreachable")
 

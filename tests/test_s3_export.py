@@ -1,0 +1,99 @@
+"""``python -m job export --format speculators s3://...``: an output on S3 exported
+directly equals the export of the same output downloaded first, and a damaged
+or missing shard on S3 stops the export with a message naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.register_assert_rewrite("s3_fixtures")
+
+from s3_fixtures import job_args, job_env, run_job  # noqa: E402
+
+from job.cli import main  # noqa: E402
+from job.errors import EXIT_CONFIG, EXIT_FAILURE  # noqa: E402
+from job.export import METADATA  # noqa: E402
+from job.shards import read_manifest  # noqa: E402
+
+pytest_plugins = ["s3_fixtures"]
+pytestmark = pytest.mark.s3
+
+PREFIX = "export-src"
+
+
+def export(src: str | Path, dest: Path) -> int:
+    return main(["export", "--format", "speculators", str(src), str(dest)])
+
+
+@pytest.fixture(scope="module")
+def on_s3(
+    s3_endpoint: str, s3: Any, bucket: str, job_cache: str, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """One finished run on S3, and a local copy of every object it wrote."""
+    args = job_args(output__uri=f"s3://{bucket}/{PREFIX}", data__path=f"s3://{bucket}/data/")
+    job = run_job(args, job_env(s3_endpoint, job_cache))
+    assert job.proc.returncode == 0, job.tail()
+    local = tmp_path_factory.mktemp("downloaded") / PREFIX
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=PREFIX + "/"):
+        for obj in page["Contents"]:
+            target = local / obj["Key"][len(PREFIX) + 1 :]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            s3.download_file(bucket, obj["Key"], str(target))
+    return local
+
+
+@pytest.fixture
+def s3_env(monkeypatch: pytest.MonkeyPatch, s3_endpoint: str, job_cache: str) -> None:
+    for key, value in job_env(s3_endpoint, job_cache).items():
+        if key.startswith("AWS_"):
+            monkeypatch.setenv(key, value)
+
+
+def test_export_from_s3_equals_the_export_of_a_local_copy(
+    on_s3: Path, s3_env: None, bucket: str, tmp_path: Path
+) -> None:
+    from datasets import load_from_disk
+
+    assert export(f"s3://{bucket}/{PREFIX}", tmp_path / "from-s3") == 0
+    assert export(on_s3, tmp_path / "from-local") == 0
+    remote, local = tmp_path / "from-s3", tmp_path / "from-local"
+    manifest = read_manifest(on_s3 / "index-00000")
+    assert manifest is not None and len(manifest.shards) > 1
+    a, b = load_from_disk(str(remote)), load_from_disk(str(local))
+    assert len(a) == len(b) == manifest.counts.written
+    assert a["sample_id"] == b["sample_id"]
+    files = sorted(p.name for p in (local / "hidden_states").iterdir())
+    assert files == sorted(p.name for p in (remote / "hidden_states").iterdir())
+    for name in files:
+        assert (remote / "hidden_states" / name).read_bytes() == (local / "hidden_states" / name).read_bytes()
+    meta_remote, meta_local = (json.loads((d / METADATA).read_text()) for d in (remote, local))
+    assert meta_remote["source"]["location"] == f"s3://{bucket}/{PREFIX}"
+    assert meta_remote["source"]["indexes"] == meta_local["source"]["indexes"]
+    assert meta_remote["layers"] == meta_local["layers"] and meta_remote["rows"] == meta_local["rows"]
+
+
+def test_a_damaged_or_missing_shard_on_s3_stops_the_export(
+    on_s3: Path, s3_env: None, s3: Any, bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = "export-damaged"
+    for path in on_s3.rglob("*"):
+        if path.is_file():
+            s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(on_s3)}")
+    entry = read_manifest(on_s3 / "index-00000").shards[0]  # type: ignore[union-attr]
+    key = f"{prefix}/index-00000/{entry.name}"
+    data = bytearray((on_s3 / "index-00000" / entry.name).read_bytes())
+    data[-1] ^= 1
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    assert export(f"s3://{bucket}/{prefix}", tmp_path / "damaged") == EXIT_FAILURE
+    assert f"s3://{bucket}/{key}: checksum" in capsys.readouterr().err
+
+    s3.delete_object(Bucket=bucket, Key=key)
+    assert export(f"s3://{bucket}/{prefix}", tmp_path / "missing") == EXIT_FAILURE
+    assert f"s3://{bucket}/{key}: listed in index-00000/manifest.json but missing" in capsys.readouterr().err
+
+    assert export(f"s3://{bucket}/nothing-here", tmp_path / "empty") == EXIT_CONFIG
+    assert "no objects there" in capsys.readouterr().err
