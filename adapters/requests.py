@@ -13,10 +13,7 @@ def prefill_sampling_params() -> Any:
     return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
 
 
-def with_eos_token_id(
-    request_id: str, prompt_token_ids: list[int], sampling_params: Any, block_hasher: Callable[..., Any]
-) -> Any:
-    """vLLM <= 0.16: ``eos_token_id`` is the 5th positional parameter; pass it by name."""
+def _request(request_id: str, prompt_token_ids: list[int], sampling_params: Any, **extra: Any) -> Any:
     from vllm.v1.request import Request
 
     return Request(
@@ -24,8 +21,16 @@ def with_eos_token_id(
         prompt_token_ids=prompt_token_ids,
         sampling_params=sampling_params,
         pooling_params=None,
-        eos_token_id=None,
-        block_hasher=block_hasher,
+        **extra,
+    )
+
+
+def with_eos_token_id(
+    request_id: str, prompt_token_ids: list[int], sampling_params: Any, block_hasher: Callable[..., Any]
+) -> Any:
+    """vLLM <= 0.16: ``eos_token_id`` is the 5th positional parameter; pass it by name."""
+    return _request(
+        request_id, prompt_token_ids, sampling_params, eos_token_id=None, block_hasher=block_hasher
     )
 
 
@@ -33,12 +38,4 @@ def without_eos_token_id(
     request_id: str, prompt_token_ids: list[int], sampling_params: Any, block_hasher: Callable[..., Any]
 ) -> Any:
     """vLLM >= 0.17: ``eos_token_id`` is gone from Request (stop checks read sampling_params)."""
-    from vllm.v1.request import Request
-
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=prompt_token_ids,
-        sampling_params=sampling_params,
-        pooling_params=None,
-        block_hasher=block_hasher,
-    )
+    return _request(request_id, prompt_token_ids, sampling_params, block_hasher=block_hasher)

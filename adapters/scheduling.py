@@ -7,40 +7,29 @@ from __future__ import annotations
 from typing import Any
 
 
-def _scheduler_class(vllm_config: Any) -> type:
+def _scheduler(vllm_config: Any, kv_cache_config: Any, **block_sizes: int) -> Any:
+    from vllm.v1.structured_output import StructuredOutputManager
+
     if vllm_config.scheduler_config.async_scheduling:
-        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-
-        return AsyncScheduler
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    return Scheduler
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as cls
+    else:
+        from vllm.v1.core.sched.scheduler import Scheduler as cls
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        log_stats=False,
+        **block_sizes,
+    )
 
 
 def with_block_size(vllm_config: Any, kv_cache_config: Any, block_size: int, hash_block_size: int) -> Any:
     """0.11.1 - 0.19: ``block_size`` is required (positional #4)."""
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    return _scheduler_class(vllm_config)(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
-        log_stats=False,
-    )
+    return _scheduler(vllm_config, kv_cache_config, block_size=block_size)
 
 
 def with_hash_block_size(
     vllm_config: Any, kv_cache_config: Any, block_size: int, hash_block_size: int
 ) -> Any:
     """0.20+: ``hash_block_size`` may differ from the scheduler block size (hybrid models)."""
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    return _scheduler_class(vllm_config)(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
-        hash_block_size=hash_block_size,
-        log_stats=False,
-    )
+    return _scheduler(vllm_config, kv_cache_config, block_size=block_size, hash_block_size=hash_block_size)
