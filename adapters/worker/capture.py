@@ -77,7 +77,6 @@ class DecoderLayerCapture:
         spec = self.spec
         dtype = model_dtype(worker, param)
         self.step_buffers = [_StepBuffers(spec, dtype, self.device) for _ in range(2 if self.on_cuda else 1)]
-        self.current = self.step_buffers[0]
         self.active = False
         self.armed = False  # set by hs_arm once the engine is warmed up
         self.num_tokens = 0
@@ -116,6 +115,11 @@ class DecoderLayerCapture:
             "pinned_host_buffers": self.pinned,
             "capture_buffer_bytes": sum(b.states.nbytes for b in self.step_buffers),
         }
+
+    @property
+    def current(self) -> _StepBuffers:
+        """The device buffers of the step being run (``step`` advances once it is shipped)."""
+        return self.step_buffers[self.step % len(self.step_buffers)]
 
     # hooks -------------------------------------------------------------------
     def _on_model_input(self, _module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -157,7 +161,6 @@ class DecoderLayerCapture:
             return self._original_execute_model(scheduler_output, *args, **kwargs)
         if n > self.spec.max_tokens:
             raise RuntimeError(f"step of {n} tokens exceeds the capture buffer ({self.spec.max_tokens})")
-        self.current = self.step_buffers[self.step % len(self.step_buffers)]
         if self.current.copy_done is not None:  # this buffer's last copy must land before it is overwritten
             torch.cuda.current_stream(self.device).wait_event(self.current.copy_done)
         self.num_tokens, self.active = n, True
