@@ -575,8 +575,12 @@ def list_s3_input_files(uri: str) -> list[InputFile]:
     ]
 
 
-def _opener(client: BaseClient, bucket: str, key: str, etag: str, size: int) -> Callable[[], IO[bytes]]:
-    return lambda: io.BufferedReader(_ObjectReader(client, bucket, key, etag, size), buffer_size=1 << 20)
+def _opener(
+    client: BaseClient, bucket: str, key: str, etag: str, size: int, setting: str = "data.path"
+) -> Callable[[], IO[bytes]]:
+    return lambda: io.BufferedReader(
+        _ObjectReader(client, bucket, key, etag, size, setting), buffer_size=1 << 20
+    )
 
 
 class _ObjectReader(io.RawIOBase):

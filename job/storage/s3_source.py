@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 from awscrt.checksums import crc64nvme
 
@@ -24,7 +25,7 @@ from job.export import ShardSource, SourceIndex
 from job.manifest import Manifest, ShardEntry
 from job.shards import Shard
 from job.storage.base import MANIFEST
-from job.storage.s3 import _get_whole, _ObjectReader, _s3_errors, make_client, parse_s3_uri
+from job.storage.s3 import _get_whole, _opener, _s3_errors, make_client, parse_s3_uri
 
 SETTING = "export SRC"
 _CHUNK = 8 * 1024 * 1024
@@ -37,13 +38,15 @@ class S3ShardSource(ShardSource):
         self._client = make_client()
         base = f"{prefix.rstrip('/')}/" if prefix else ""
         with _s3_errors(SETTING, self.bucket, f"listing {self.location}"):
-            keys = [
-                obj["Key"][len(base) :]
+            # every object's ETag and size: shards are read pinned to the listed version
+            self._objects = {
+                obj["Key"]: (obj["ETag"], int(obj["Size"]))
                 for page in self._client.get_paginator("list_objects_v2").paginate(
                     Bucket=self.bucket, Prefix=base
                 )
                 for obj in page.get("Contents", [])
-            ]
+            }
+        keys = [key[len(base) :] for key in self._objects]
         if not keys:
             raise ConfigError(
                 f"{SETTING} {uri}: no objects there (give an output prefix or one index-* prefix)"
@@ -54,8 +57,6 @@ class S3ShardSource(ShardSource):
             raise ConfigError(f"{SETTING} {uri}: neither index-*/ prefixes nor a {MANIFEST} there")
         single = base.rstrip("/").rsplit("/", 1)[-1] or self.bucket
         self._bases = {single: base} if self.single_index else {name: f"{base}{name}/" for name in names}
-        self._present = set(keys)
-        self._prefix = base
 
     def _url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
@@ -64,7 +65,7 @@ class S3ShardSource(ShardSource):
         found = []
         for name, base in self._bases.items():
             key = base + MANIFEST
-            if key[len(self._prefix) :] not in self._present:
+            if key not in self._objects:
                 found.append(SourceIndex(name, None, None))
                 continue
             with _s3_errors(SETTING, self.bucket, f"reading {self._url(key)}"):
@@ -74,21 +75,22 @@ class S3ShardSource(ShardSource):
             )
         return found
 
-    def _reader(self, index: str, entry: ShardEntry) -> _ObjectReader:
+    def _open(self, index: str, entry: ShardEntry) -> IO[bytes]:
         key = self._bases[index] + entry.name
-        if key[len(self._prefix) :] not in self._present:
+        if key not in self._objects:
             raise JobError(f"{self._url(key)}: listed in {index}/{MANIFEST} but missing")
-        with _s3_errors(SETTING, self.bucket, f"reading {self._url(key)}"):
-            head = self._client.head_object(Bucket=self.bucket, Key=key)
-        return _ObjectReader(
-            self._client, self.bucket, key, head["ETag"], int(head["ContentLength"]), SETTING
-        )
+        etag, size = self._objects[key]
+        return _opener(self._client, self.bucket, key, etag, size, SETTING)()
 
     def shard_metadata(self, index: str, entry: ShardEntry) -> dict[str, str]:
-        with self._reader(index, entry) as reader:
-            (length,) = struct.unpack("<Q", _read_exactly(reader, 8))
-            header = json.loads(_read_exactly(reader, length))
-        return header.get("__metadata__") or {}
+        with self._open(index, entry) as reader:
+            length = reader.read(8)
+            header = reader.read(struct.unpack("<Q", length)[0]) if len(length) == 8 else b""
+        if not header:
+            raise JobError(
+                f"{self._url(self._bases[index] + entry.name)}: not a safetensors file (no header)"
+            )
+        return json.loads(header).get("__metadata__") or {}
 
     @contextmanager
     def open_shard(self, index: str, entry: ShardEntry) -> Iterator[Shard]:
@@ -96,7 +98,7 @@ class S3ShardSource(ShardSource):
         try:
             path = directory / entry.name
             crc = 0
-            with self._reader(index, entry) as reader, path.open("wb") as out:
+            with self._open(index, entry) as reader, path.open("wb") as out:
                 buffer = bytearray(_CHUNK)
                 view = memoryview(buffer)
                 while n := reader.readinto(buffer):
@@ -110,13 +112,3 @@ class S3ShardSource(ShardSource):
             yield Shard(path)
         finally:
             shutil.rmtree(directory, ignore_errors=True)
-
-
-def _read_exactly(reader: _ObjectReader, size: int) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        chunk = reader.read(size - len(data))
-        if not chunk:
-            raise JobError(f"{SETTING}: a shard ended inside its header")
-        data += chunk
-    return bytes(data)
