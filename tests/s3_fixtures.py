@@ -157,6 +157,11 @@ def all_record_ids() -> set[str]:
 # -- running the job ----------------------------------------------------------------------------
 
 
+# The tests' outputs are tens of MiB: a staging bound this small keeps them from needing the default
+# 8 GiB free under TMPDIR (the job refuses to start with less free than the bound).
+TEST_MAX_STAGED_BYTES = "256MiB"
+
+
 def job_env(endpoint: str, cache: str, key: str = ADMIN_KEY, secret: str = ADMIN_SECRET) -> dict[str, str]:
     """The job's environment: credentials and endpoint only through boto3's standard variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "JOB_"))}
@@ -169,6 +174,7 @@ def job_env(endpoint: str, cache: str, key: str = ADMIN_KEY, secret: str = ADMIN
         AWS_CONFIG_FILE=os.devnull,
         AWS_SHARED_CREDENTIALS_FILE=os.devnull,
         JOB_CACHE_DIR=cache,
+        JOB_OUTPUT__MAX_STAGED_BYTES=TEST_MAX_STAGED_BYTES,
         PYTHONUNBUFFERED="1",
     )
     return env

@@ -16,7 +16,7 @@ import pytest
 
 pytest.register_assert_rewrite("s3_fixtures")
 
-from s3_fixtures import FaultProxy, job_env, multipart_uploads  # noqa: E402
+from s3_fixtures import TEST_MAX_STAGED_BYTES, FaultProxy, job_env, multipart_uploads  # noqa: E402
 
 from job.checksum import crc64nvme_file  # noqa: E402
 from job.data.source import read_records  # noqa: E402
@@ -41,7 +41,12 @@ def s3_env(monkeypatch: pytest.MonkeyPatch, s3_endpoint: str) -> None:
 
 
 def output(bucket: str, prefix: str, **overrides: Any) -> OutputSettings:
-    settings = {"uri": f"s3://{bucket}/{prefix}", "shard_bytes": "1MiB", "part_size": "5MiB"}
+    settings = {
+        "uri": f"s3://{bucket}/{prefix}",
+        "shard_bytes": "1MiB",
+        "part_size": "5MiB",
+        "max_staged_bytes": TEST_MAX_STAGED_BYTES,
+    }
     return OutputSettings.model_validate(settings | overrides)
 
 
