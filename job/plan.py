@@ -14,6 +14,10 @@ from job.shards.writer import ShardPlanner
 MEASURED_TOK_PER_S = 39_773
 # Plain prefill at TP=2 over 2 x TP=1, same shape (runs 20261129T130311Z and 20261129T124456Z).
 TP2_SCALING_EFFICIENCY = 0.85
+# Scaling by parameters assumes prefill is compute-bound; small models are bound by per-step
+# overheads instead (it would put the builtin tiny model at ~235M tok/s), so the measured rate is
+# never scaled up by more than this.
+MAX_SCALE_UP = 4.0
 
 
 def active_params(config: dict) -> float:
@@ -103,7 +107,13 @@ def _estimate(tokens: int, config: dict, tensor_parallel_size: int) -> str:
     at TP=2 (larger TP was not measured), and assumes the output keeps up."""
     from job.bench import LLAMA_3_1_8B
 
-    rate = MEASURED_TOK_PER_S * active_params(LLAMA_3_1_8B) / active_params(config)
+    scale = active_params(LLAMA_3_1_8B) / active_params(config)
+    if scale > MAX_SCALE_UP:
+        return (
+            f"none: {scale:,.0f}x fewer parameters per token than the measured Llama-3.1-8B, and a model "
+            "this small is not compute-bound: time a short run on a slice of the data instead"
+        )
+    rate = MEASURED_TOK_PER_S * scale
     if tensor_parallel_size > 1:
         rate *= tensor_parallel_size * TP2_SCALING_EFFICIENCY
     return (

@@ -314,3 +314,27 @@ def test_plan_matches_the_run(run: dict[str, Any], run_job: Callable[..., Any]) 
     # and the tensor bytes are the shard files minus their headers and offsets
     overhead = sum(s.bytes for s in manifest.shards) - tokens * BYTES_PER_TOKEN
     assert 0 < overhead < 16 * 1024 * len(manifest.shards)
+    # a tiny model's rate cannot be scaled from an 8B measurement: no made-up figure
+    assert rows["estimated time"].startswith("none: ") and "time a short run" in rows["estimated time"]
+
+
+LLAMA_3_1_70B = {
+    "hidden_size": 8192,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "intermediate_size": 28672,
+}
+
+
+def test_plan_estimate_scales_the_measured_rate_by_parameters_per_token() -> None:
+    from job.bench import LLAMA_3_1_8B
+    from job.plan import MEASURED_TOK_PER_S, TP2_SCALING_EFFICIENCY, _estimate, active_params
+
+    # Published sizes less the input embedding and LM head (2 x vocab x hidden): 8.03B and 70.55B.
+    assert active_params(LLAMA_3_1_8B) == 6_979_321_856
+    assert active_params(LLAMA_3_1_70B) == 68_451_041_280
+    assert f"at ~{MEASURED_TOK_PER_S:,} tok/s" in _estimate(MEASURED_TOK_PER_S * 3600, LLAMA_3_1_8B, 1)
+    assert _estimate(MEASURED_TOK_PER_S * 3600, LLAMA_3_1_8B, 1).startswith("about 1 h 00 min")
+    rate_70b_tp8 = MEASURED_TOK_PER_S * 6_979_321_856 / 68_451_041_280 * 8 * TP2_SCALING_EFFICIENCY
+    assert f"at ~{rate_70b_tp8:,.0f} tok/s (H200-class GPUs, TP=8;" in _estimate(10**9, LLAMA_3_1_70B, 8)
