@@ -92,7 +92,7 @@ class Committer:
                 path.unlink(missing_ok=True)
                 self.store.release_staging(plan.name)
                 return
-            path, checksum = _repack(path, plan, kept, self._context)
+            path, checksum = _repack(path, plan, kept, self._context, self.store.staging_is_output)
             plan = ShardPlan(plan.number, kept)
         committed = self.store.commit_shard(path, plan.name, checksum)
         entry = ShardEntry(
@@ -123,8 +123,12 @@ class Committer:
         )
 
 
-def _repack(path: Path, plan: ShardPlan, kept: list, context: ShardContext) -> tuple[Path, str]:
-    """Copy the kept samples' rows of ``path`` into a fresh shard file; returns it and its checksum."""
+def _repack(
+    path: Path, plan: ShardPlan, kept: list, context: ShardContext, direct_io: bool
+) -> tuple[Path, str]:
+    """Copy the kept samples' rows of ``path`` into a fresh shard file (written the way the
+    run's own writer writes: ``direct_io`` only where staging is the output); returns it and
+    its checksum."""
     from safetensors import safe_open
 
     old_offsets = np.zeros(len(plan.samples) + 1, np.int64)
@@ -132,7 +136,7 @@ def _repack(path: Path, plan: ShardPlan, kept: list, context: ShardContext) -> t
     position = {s.sample_id: i for i, s in enumerate(plan.samples)}
     target = path.with_name(path.name + ".repack")
     finished: list[FinishedShard] = []
-    writer = ShardWriter(context, lambda _name: target, finished.append)
+    writer = ShardWriter(context, lambda _name: target, finished.append, direct_io=direct_io)
     keys = writer.open(ShardPlan(plan.number, kept), 0)
     with safe_open(str(path), framework="pt") as src:
         hidden = src.get_slice("hidden_states")

@@ -24,6 +24,7 @@ from job.shards.writer import FinishedShard, ShardContext, ShardPlan, ShardWrite
 
 LAYERS, HIDDEN = 4, 512  # bf16 rows of 4 KiB
 LENGTHS = [37, 300, 5, 128]
+CONTEXT = ShardContext(LAYERS, HIDDEN, "bfloat16", {"model_dtype": "bfloat16", "layer_ids": "[1, 2, 3, 4]"})
 
 
 def _samples() -> list[EncodedSample]:
@@ -61,10 +62,7 @@ def _write(
 ) -> tuple[FinishedShard, list[EncodedSample]]:
     samples = _samples()
     finished: list[FinishedShard] = []
-    context = ShardContext(
-        LAYERS, HIDDEN, "bfloat16", {"model_dtype": "bfloat16", "layer_ids": "[1, 2, 3, 4]"}
-    )
-    writer = ShardWriter(context, lambda name: directory / name, finished.append, direct_io=direct_io)
+    writer = ShardWriter(CONTEXT, lambda name: directory / name, finished.append, direct_io=direct_io)
     keys = writer.open(ShardPlan(0, samples), 0)
     # Samples interleaved chunk by chunk, as rows of several requests arrive per step.
     position = dict.fromkeys(keys, 0)
@@ -132,10 +130,7 @@ def test_page_aligned_memory_of_an_odd_length_is_not_written_directly(tmp_path: 
     """Direct I/O needs address, offset and length aligned: a page-aligned buffer
     of an odd size (a header, ids) must take the mapping, not fail with EINVAL."""
     samples = _samples()[:1]
-    context = ShardContext(
-        LAYERS, HIDDEN, "bfloat16", {"model_dtype": "bfloat16", "layer_ids": "[1, 2, 3, 4]"}
-    )
-    writer = ShardWriter(context, lambda name: tmp_path / name, lambda _finished: None)
+    writer = ShardWriter(CONTEXT, lambda name: tmp_path / name, lambda _finished: None, direct_io=True)
     writer.open(ShardPlan(0, samples), 0)
     shard = writer._open[0]
     odd = mmap.mmap(-1, 4096)

@@ -163,7 +163,8 @@ class ShardWriter:
         context: ShardContext,
         staging_path: Callable[[str], Path],
         on_finished: Callable[[FinishedShard], None],
-        direct_io: bool = True,
+        *,
+        direct_io: bool,
     ) -> None:
         self.context = context
         self.direct_io = direct_io  # False: staging is transient, keep it in the page cache
