@@ -61,6 +61,9 @@ class S3ShardSource(ShardSource):
     def _url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
 
+    def _shard_key(self, index: str, entry: ShardEntry) -> str:
+        return self._bases[index] + entry.name
+
     def indexes(self) -> list[SourceIndex]:
         found = []
         for name, base in self._bases.items():
@@ -76,7 +79,7 @@ class S3ShardSource(ShardSource):
         return found
 
     def _open(self, index: str, entry: ShardEntry) -> IO[bytes]:
-        key = self._bases[index] + entry.name
+        key = self._shard_key(index, entry)
         if key not in self._objects:
             raise JobError(f"{self._url(key)}: listed in {index}/{MANIFEST} but missing")
         etag, size = self._objects[key]
@@ -87,9 +90,7 @@ class S3ShardSource(ShardSource):
             length = reader.read(8)
             header = reader.read(struct.unpack("<Q", length)[0]) if len(length) == 8 else b""
         if not header:
-            raise JobError(
-                f"{self._url(self._bases[index] + entry.name)}: not a safetensors file (no header)"
-            )
+            raise JobError(f"{self._url(self._shard_key(index, entry))}: not a safetensors file (no header)")
         return json.loads(header).get("__metadata__") or {}
 
     @contextmanager
@@ -106,7 +107,7 @@ class S3ShardSource(ShardSource):
                     crc = crc64nvme(view[:n], crc)
             if encode(crc) != entry.checksum.value:
                 raise JobError(
-                    f"{self._url(self._bases[index] + entry.name)}: checksum {encode(crc)} differs from the "
+                    f"{self._url(self._shard_key(index, entry))}: checksum {encode(crc)} differs from the "
                     f"manifest's {entry.checksum.value}; the shard is damaged: re-run that index"
                 )
             yield Shard(path)
