@@ -1,8 +1,23 @@
-"""vLLM version adapters: the only place that knows how vLLM's internals differ
-between releases. ``select_adapter_set`` reads ``config/adapters.yaml`` and
-returns the set of small, named pieces of code that fit the installed vLLM.
+"""vLLM version adapters: the only place that knows how vLLM's internals differ between
+releases. ``select_adapter_set`` reads ``config/adapters.yaml`` and returns the
+``AdapterSet`` whose facts fit the installed vLLM; its methods are the concerns
+(engine, KV cache, scheduler, block hasher, request, step submission, step layout).
 """
 
-from adapters.registry import AdapterSet, UnsupportedVllmVersion, load_adapter_sets, select_adapter_set
+from adapters.facts import VllmFacts
+from adapters.registry import (
+    AdapterSet,
+    UnsupportedVllmVersion,
+    adapter_set_named,
+    load_adapter_sets,
+    select_adapter_set,
+)
 
-__all__ = ["AdapterSet", "UnsupportedVllmVersion", "load_adapter_sets", "select_adapter_set"]
+__all__ = [
+    "AdapterSet",
+    "UnsupportedVllmVersion",
+    "VllmFacts",
+    "adapter_set_named",
+    "load_adapter_sets",
+    "select_adapter_set",
+]

@@ -23,12 +23,12 @@ class StepResult:
         return output
 
 
-def two_phase(executor: Any, scheduler: Any, scheduler_output: Any) -> StepResult:
-    """0.11.1+: ``execute_model`` runs the forward (None on the generative path),
-    ``sample_tokens`` samples; both queued with ``non_block=True`` as EngineCore's
-    batch queue does, so the driver schedules the next step while this one runs.
-    A step without tokens is executed too (it carries finished request ids to the
-    workers) but has nothing to sample."""
+def submit_step(executor: Any, scheduler: Any, scheduler_output: Any) -> StepResult:
+    """Two-phase execution (0.11.1+, every supported line): ``execute_model`` runs the
+    forward (None on the generative path), ``sample_tokens`` samples; both queued with
+    ``non_block=True`` as EngineCore's batch queue does, so the driver schedules the next
+    step while this one runs. A step without tokens is executed too (it carries finished
+    request ids to the workers) but has nothing to sample."""
     executed = executor.execute_model(scheduler_output, non_block=True)
     if scheduler_output.total_num_scheduled_tokens == 0:
         return StepResult(executed, None)

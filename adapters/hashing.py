@@ -1,11 +1,10 @@
 """Block hasher, built the way EngineCore builds it.
 
-A Request without a hasher never gets ``block_hashes``; with prefix caching on,
-vLLM 0.16's BlockPool then asserts ``len(request.block_hashes) >= num_full_blocks``
-(0.26: IndexError; 0.33: silently never caches). We run with prefix caching off
-(a cached prefix would not be recomputed, so its hidden states would be
-missing), but every Request still carries the engine's hasher so the KV manager
-sees exactly what the engine would give it.
+A Request without a hasher never gets ``block_hashes``; with prefix caching on, vLLM
+then fails or silently never caches (``VllmFacts.prefix_cache_without_hashes``). We run
+with prefix caching off (a cached prefix would not be recomputed, so its hidden states
+would be missing), but every Request still carries the engine's hasher so the KV
+manager sees exactly what the engine would give it.
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from adapters.facts import VllmFacts
 
 _none_hash_lock = threading.Lock()
 _none_hash_fns: set[Any] = set()
@@ -32,17 +33,12 @@ def _hash_fn(vllm_config: Any) -> Callable[[Any], bytes]:
     return fn
 
 
-def engine_block_hasher(vllm_config: Any, hash_block_size: int) -> Callable[[Any], list[Any]]:
-    """0.11.1 - 0.32: ``get_request_block_hasher(block_size | hash_block_size, fn)``."""
+def build_block_hasher(
+    facts: VllmFacts, vllm_config: Any, hash_block_size: int
+) -> Callable[[Any], list[Any]]:
+    """``get_request_block_hasher(hash_block_size, fn[, num_hash_lookahead_tokens])``; the first
+    argument is the scheduler block size before 0.24 and hash_block_size after (positional)."""
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 
-    return get_request_block_hasher(hash_block_size, _hash_fn(vllm_config))
-
-
-def lookahead_block_hasher(vllm_config: Any, hash_block_size: int) -> Callable[[Any], list[Any]]:
-    """0.33: a third argument, ``num_hash_lookahead_tokens``, from the config."""
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-
-    return get_request_block_hasher(
-        hash_block_size, _hash_fn(vllm_config), vllm_config.num_hash_lookahead_tokens
-    )
+    lookahead = (vllm_config.num_hash_lookahead_tokens,) if facts.block_hasher_lookahead else ()
+    return get_request_block_hasher(hash_block_size, _hash_fn(vllm_config), *lookahead)

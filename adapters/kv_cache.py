@@ -1,8 +1,8 @@
-"""KV-cache set-up: profile free memory, plan the cache, allocate it in the
-workers, and derive the scheduler's block sizes. Each function follows
-``EngineCore._initialize_kv_caches`` (and the block-size lines of
-``EngineCore.__init__``) of its vLLM line, minus elastic-EP and connector paths
-this job never uses.
+"""KV-cache set-up: profile free memory, plan the cache, allocate it in the workers,
+and derive the scheduler's block sizes. One function per ``VllmFacts.kv_cache_setup``
+value, each following ``EngineCore._initialize_kv_caches`` (and the block-size lines of
+``EngineCore.__init__``) of the vLLM lines that behave so, minus elastic-EP and
+connector paths this job never uses.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from adapters.facts import VllmFacts
 
 
 @dataclass(frozen=True)
@@ -32,8 +34,8 @@ def _planned_configs(
     return configs
 
 
-def kv_cache_utils_v016(executor: Any, vllm_config: Any) -> KvCacheSetup:
-    """0.16: get_kv_cache_configs; the workers' ``initialize_cache`` RPC still exists."""
+def _utils_initialize_cache_rpc(executor: Any, vllm_config: Any) -> KvCacheSetup:
+    """get_kv_cache_configs; the workers' ``initialize_cache`` RPC still exists (0.16)."""
     from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_kv_cache_configs
 
     specs = executor.get_kv_cache_specs()
@@ -54,9 +56,9 @@ def kv_cache_utils_v016(executor: Any, vllm_config: Any) -> KvCacheSetup:
     return KvCacheSetup(scheduler_config, block_size, block_size)
 
 
-def kv_cache_utils_v026(executor: Any, vllm_config: Any) -> KvCacheSetup:
-    """0.26: specs registered first; the cache block size follows the groups;
-    ``initialize_from_config`` still warms up (it stops doing so in 0.27)."""
+def _utils_registered_specs(executor: Any, vllm_config: Any) -> KvCacheSetup:
+    """Specs registered first; the cache block size follows the groups;
+    ``initialize_from_config`` still warms up (0.26; it stops doing so in 0.27)."""
     from vllm.v1.core.kv_cache_utils import (
         generate_scheduler_kv_cache_config,
         get_kv_cache_capacity,
@@ -84,9 +86,9 @@ def kv_cache_utils_v026(executor: Any, vllm_config: Any) -> KvCacheSetup:
     return KvCacheSetup(scheduler_config, block_size, hash_block_size)
 
 
-def kv_cache_planning_v033(executor: Any, vllm_config: Any) -> KvCacheSetup:
-    """0.33: planning moved to ``kv_cache_planning`` with global groups; the KV
-    layout is negotiated with the workers; warm-up is a separate call."""
+def _planning_global_groups(executor: Any, vllm_config: Any) -> KvCacheSetup:
+    """Planning in ``kv_cache_planning`` with global groups; the KV layout is negotiated
+    with the workers; warm-up is a separate call (0.33)."""
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.core.kv_cache_utils import (
@@ -131,3 +133,14 @@ def kv_cache_planning_v033(executor: Any, vllm_config: Any) -> KvCacheSetup:
     executor.initialize_from_config(configs)
     executor.compile_or_warm_up_model()
     return KvCacheSetup(scheduler_config, block_size, hash_block_size)
+
+
+_SETUPS: dict[str, Callable[[Any, Any], KvCacheSetup]] = {
+    "utils_initialize_cache_rpc": _utils_initialize_cache_rpc,
+    "utils_registered_specs": _utils_registered_specs,
+    "planning_global_groups": _planning_global_groups,
+}
+
+
+def set_up_kv_cache(facts: VllmFacts, executor: Any, vllm_config: Any) -> KvCacheSetup:
+    return _SETUPS[facts.kv_cache_setup](executor, vllm_config)

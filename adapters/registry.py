@@ -1,25 +1,26 @@
 """Pick an adapter set for a vLLM version from ``config/adapters.yaml``.
 
-Like SQLAlchemy's dialects: behaviour is chosen once, at start-up, from the
-server (here: library) version, and the rest of the code calls the chosen
-pieces without ever comparing versions itself.
+Like SQLAlchemy's dialects: behaviour is chosen once, at start-up, from the library
+version, as typed facts (``VllmFacts``); every concern below is one typed method whose
+code asks those facts, and nothing outside ``adapters/`` compares versions or names.
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
+from pydantic import ValidationError
 
+from adapters import engine, execution, hashing, kv_cache, requests, runners, scheduling
+from adapters.facts import VllmFacts
 from job.errors import ConfigError
 from job.settings import config_dir
-
-CONCERNS = ("request", "block_hasher", "scheduler", "kv_cache", "execution", "capture")
 
 
 class UnsupportedVllmVersion(ConfigError):
@@ -30,20 +31,43 @@ class UnsupportedVllmVersion(ConfigError):
 class AdapterSet:
     name: str
     versions: SpecifierSet
-    targets: dict[str, str]  # concern -> "module:attribute"
-    _loaded: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    facts: VllmFacts
 
-    def get(self, concern: str) -> Any:
-        """The code for ``concern``, imported on first use."""
-        if concern not in self._loaded:
-            module_name, _, attr = self.targets[concern].partition(":")
-            self._loaded[concern] = getattr(importlib.import_module(module_name), attr)
-        return self._loaded[concern]
+    def engine_config(self, engine_kwargs: dict[str, Any]) -> Any:
+        """The VllmConfig for these EngineArgs, with what capture needs pinned."""
+        return engine.build_engine_config(engine_kwargs)
 
-    def __getattr__(self, concern: str) -> Any:
-        if concern in CONCERNS:
-            return self.get(concern)
-        raise AttributeError(concern)
+    def start_executor(self, vllm_config: Any) -> Any:
+        return engine.start_executor(vllm_config)
+
+    def set_up_kv_cache(self, executor: Any, vllm_config: Any) -> kv_cache.KvCacheSetup:
+        """Profile memory, plan and allocate the KV cache (and warm up, where vLLM does it here)."""
+        return kv_cache.set_up_kv_cache(self.facts, executor, vllm_config)
+
+    def scheduler(self, vllm_config: Any, kv_cache_config: Any, block_size: int, hash_block_size: int) -> Any:
+        return scheduling.build_scheduler(
+            self.facts, vllm_config, kv_cache_config, block_size, hash_block_size
+        )
+
+    def block_hasher(self, vllm_config: Any, hash_block_size: int) -> Callable[[Any], list[Any]]:
+        return hashing.build_block_hasher(self.facts, vllm_config, hash_block_size)
+
+    def request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: Any,
+        block_hasher: Callable[..., Any] | None,
+    ) -> Any:
+        return requests.build_request(self.facts, request_id, prompt_token_ids, sampling_params, block_hasher)
+
+    def submit_step(self, executor: Any, scheduler: Any, scheduler_output: Any) -> execution.StepResult:
+        """Queue one scheduled step on the executor; ``result()`` waits for its model output."""
+        return execution.submit_step(executor, scheduler, scheduler_output)
+
+    def step_token_order(self, model_runner: Any, scheduler_output: Any) -> list[tuple[str, int]]:
+        """Inside a worker: (request id, tokens) in the order the step's tokens were laid out."""
+        return runners.step_token_order(self.facts, model_runner, scheduler_output)
 
     def lowest_version(self) -> Version:
         bounds = [Version(s.version) for s in self.versions if s.operator in (">=", "==", "~=", ">")]
@@ -58,18 +82,28 @@ def load_adapter_sets(path: Path | None = None) -> list[AdapterSet]:
         raise ConfigError(f"{path}: cannot read adapter sets ({exc})") from None
     sets = []
     for name, entry in raw.items():
-        missing = [c for c in CONCERNS if c not in entry]
-        unknown = [k for k in entry if k not in (*CONCERNS, "versions")]
-        if missing or unknown:
-            raise ConfigError(f"{path}: adapter set {name!r}: missing {missing}, unknown {unknown}")
+        facts = dict(entry)
         try:
-            versions = SpecifierSet(entry["versions"])
-        except InvalidSpecifier as exc:
-            raise ConfigError(
-                f"{path}: adapter set {name!r}: bad versions {entry['versions']!r}: {exc}"
-            ) from None
-        sets.append(AdapterSet(name, versions, {c: entry[c] for c in CONCERNS}))
+            versions = SpecifierSet(facts.pop("versions"))
+        except (KeyError, InvalidSpecifier) as exc:
+            raise ConfigError(f"{path}: adapter set {name!r}: missing or bad versions ({exc})") from None
+        try:
+            sets.append(AdapterSet(name, versions, VllmFacts(**facts)))
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ConfigError(f"{path}: adapter set {name!r}: {problems}") from None
     return sets
+
+
+def adapter_set_named(name: str, sets: list[AdapterSet] | None = None) -> AdapterSet:
+    """The set called ``name`` (forced by a setting; a worker process finds the driver's choice
+    this way)."""
+    by_name = {s.name: s for s in (sets if sets is not None else load_adapter_sets())}
+    if name not in by_name:
+        raise ConfigError(
+            f"backend.vllm.adapter_set: unknown adapter set {name!r}; choose one of {sorted(by_name)}"
+        )
+    return by_name[name]
 
 
 def parse_vllm_version(raw: str) -> Version:
@@ -87,13 +121,8 @@ def select_adapter_set(
     sets: list[AdapterSet] | None = None,
 ) -> AdapterSet:
     sets = sets if sets is not None else load_adapter_sets()
-    by_name = {s.name: s for s in sets}
     if forced is not None:
-        if forced not in by_name:
-            raise ConfigError(
-                f"backend.vllm.adapter_set: unknown adapter set {forced!r}; choose one of {sorted(by_name)}"
-            )
-        return by_name[forced]
+        return adapter_set_named(forced, sets)
     version = parse_vllm_version(vllm_version)
     for adapter_set in sets:
         if adapter_set.versions.contains(version, prereleases=True):

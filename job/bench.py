@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from job.backends import Backend, BackendInput, HiddenChunk
+from job.hidden_dtype import hidden_dtype
 
 LLAMA_3_1_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -557,12 +558,12 @@ class _RowsFromMemory(Backend):
             n = len(item.input_ids)
             for start in range(0, n, self.token_budget):  # chunked like long prefills
                 stop = min(n, start + self.token_budget)
-                yield HiddenChunk(item.key, start, self.rows[: stop - start], None, stop == n, False)
+                yield HiddenChunk(item.sample_id, start, self.rows[: stop - start], None, stop == n, False)
 
 
 def _worker_write(args: argparse.Namespace) -> dict[str, Any]:
     from job.logs import configure_logging
-    from job.runner import run_job
+    from job.pipeline.runner import run_job
 
     work = Path(args.work_dir)
     model_dir, dummy = _model_dir(args)
@@ -658,7 +659,7 @@ def _hf_reference_in_worker(
     missing = [m for m in missing if "rotary_emb" not in m]
     if missing or unexpected:
         raise RuntimeError(f"weight mapping incomplete: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    backend = HFBackend(hf, layer_ids, "bfloat16")
+    backend = HFBackend(hf, layer_ids, hidden_dtype("bfloat16"))
     sequences = [np.asarray(p, np.int32) for p in prompts]
     out = {}
     for attention in ("sdpa", "eager"):
@@ -683,7 +684,7 @@ def _spot_check(backend: Any, model: Any, layer_ids: list[int], out: Path, dummy
             _hf_reference_in_worker, args=(str(model.path), layer_ids, prompts)
         )[0]
     else:
-        hf = HFBackend.load(model, layer_ids, "auto", model.dtype)
+        hf = HFBackend.load(model, layer_ids, "auto", hidden_dtype(model.dtype))
         references = {"sdpa": [t.cpu() for t in extract_all(hf, [np.asarray(p, np.int32) for p in prompts])]}
 
     def worst_per_layer(ours: list[Any], theirs: list[Any]) -> list[float]:
@@ -717,7 +718,7 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     from job.backends.vllm import VllmBackend
     from job.logs import configure_logging
     from job.model import resolve_model
-    from job.runner import run_job
+    from job.pipeline.runner import run_job
 
     work = Path(args.work_dir)
     model_dir, dummy = _model_dir(args)
@@ -726,13 +727,13 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     configure_logging(settings.log)
     model = resolve_model(settings.model)
     layer_ids = model.resolve_layer_ids(None)
-    backend = VllmBackend(settings, model, layer_ids, model.dtype)
+    backend = VllmBackend(settings, model, layer_ids, hidden_dtype(model.dtype))
     if dummy:
         _realistic_weights(backend)
     extract_all(backend, regular[:8])  # warm-up
 
     start = time.perf_counter()
-    for chunk in backend.extract(BackendInput(i, p) for i, p in enumerate(regular)):
+    for chunk in backend.extract(BackendInput(str(i), p) for i, p in enumerate(regular)):
         if chunk.release is not None:
             chunk.release()
     rows = [_row("null", regular, time.perf_counter() - start, notes="capture + copy to host, rows dropped")]
@@ -751,7 +752,7 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
 
     if long:
         start = time.perf_counter()
-        for chunk in backend.extract(BackendInput(i, p) for i, p in enumerate(long)):
+        for chunk in backend.extract(BackendInput(str(i), p) for i, p in enumerate(long)):
             if chunk.release is not None:
                 chunk.release()
         rows.append(

@@ -167,7 +167,7 @@ def _run_command(command: str, settings: JobSettings) -> int:
             print(plan_index(settings))
             return EXIT_OK
         with _exit_on_stop_signal():
-            from job.runner import run_job
+            from job.pipeline.runner import run_job
 
             run_job(settings)
         return EXIT_OK

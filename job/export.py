@@ -17,22 +17,18 @@ Beside them ``eagle3_extract.json`` records the layer ids in both numberings, th
 last layer is pre-norm, the model and the manifests the rows came from. It is written
 last: an export without it is unfinished.
 
-Only shards that a manifest lists are read, through a ``ShardSource``; only one
+Only shards that a manifest lists are read, through a ``ShardSource`` (job.storage); only one
 sample's hidden states are in memory at a time. FP8 shards are decoded to the model
 dtype, which is what speculators' default (file) hidden-states backend reads.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import sys
-from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
@@ -41,16 +37,18 @@ from typing import Any
 
 import pyarrow as pa
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from job.checksum import crc64nvme_file
 from job.errors import ConfigError, JobError
+from job.hidden_dtype import hidden_dtype
+from job.layout import MANIFEST, index_dir_name
 from job.manifest import Manifest, ShardEntry
 from job.model import LAYER_CONVENTION, LAYER_CONVENTION_TEXT
 from job.shards import Shard
-from job.storage.base import MANIFEST, index_dir_name
+from job.shards.format import read_metadata
+from job.storage import open_shard_source
+from job.storage.base import ShardSource
 
 FORMATS = ("speculators",)
 METADATA = "eagle3_extract.json"
@@ -70,87 +68,7 @@ _ROWS_PER_BATCH = 1024  # Arrow record batches of this many rows (ids and masks 
 
 
 @dataclass(frozen=True)
-class SourceIndex:
-    name: str  # index-00000, or the directory's name when SRC is one index directory
-    manifest: Manifest | None  # None: the index has committed nothing
-    manifest_sha256: str | None
-
-
-class ShardSource(ABC):
-    """Where an export reads from: a local output directory, or an S3 prefix
-    (job/storage/s3_source.py, which holds one downloaded shard at a time)."""
-
-    location: str
-    single_index: bool  # SRC is one index directory rather than an output directory
-
-    @abstractmethod
-    def indexes(self) -> list[SourceIndex]:
-        """Every index present, in index order."""
-
-    @abstractmethod
-    def shard_metadata(self, index: str, entry: ShardEntry) -> dict[str, str]:
-        """The safetensors ``__metadata__`` of a shard (a remote source reads just the header)."""
-
-    @abstractmethod
-    def open_shard(self, index: str, entry: ShardEntry) -> AbstractContextManager[Shard]:
-        """Shard ``entry`` of ``index``, readable while the context lasts."""
-
-
-class LocalSource(ShardSource):
-    def __init__(self, root: Path, verify: bool) -> None:
-        if not root.is_dir():
-            raise ConfigError(f"export SRC {root}: not a directory (give an output directory or one index-*)")
-        self.location = str(root)
-        self.verify = verify
-        dirs = sorted(d for d in root.glob("index-*") if d.is_dir())
-        self.single_index = not dirs and (root / MANIFEST).is_file()
-        self._dirs = {root.name: root} if self.single_index else {d.name: d for d in dirs}
-
-    def indexes(self) -> list[SourceIndex]:
-        found = []
-        for name, directory in self._dirs.items():
-            path = directory / MANIFEST
-            data = path.read_bytes() if path.is_file() else None
-            found.append(
-                SourceIndex(
-                    name,
-                    None if data is None else Manifest.from_bytes(data, str(path)),
-                    None if data is None else hashlib.sha256(data).hexdigest(),
-                )
-            )
-        return found
-
-    def _listed(self, index: str, entry: ShardEntry) -> Path:
-        path = self._dirs[index] / entry.name
-        if not path.is_file():
-            raise JobError(f"{path}: listed in {index}/{MANIFEST} but missing")
-        return path
-
-    def shard_metadata(self, index: str, entry: ShardEntry) -> dict[str, str]:
-        with safe_open(str(self._listed(index, entry)), framework="pt") as f:
-            return f.metadata() or {}
-
-    @contextmanager
-    def open_shard(self, index: str, entry: ShardEntry) -> Iterator[Shard]:
-        path = self._listed(index, entry)
-        if self.verify and (actual := crc64nvme_file(path)) != entry.checksum.value:
-            raise JobError(
-                f"{path}: checksum {actual} differs from the manifest's {entry.checksum.value}; "
-                "the shard is damaged: re-run that index into a new output"
-            )
-        yield Shard(path)
-
-
-def open_source(src: str, verify: bool = False) -> ShardSource:
-    if src.startswith("s3://"):  # shards are always verified: each is downloaded anyway
-        from job.storage.s3_source import S3ShardSource
-
-        return S3ShardSource(src)
-    return LocalSource(Path(src.removeprefix("file://")).expanduser(), verify)
-
-
-@dataclass(frozen=True)
-class LayerPlan:
+class LayerOrder:
     """Which stored layers go where: speculators wants the verifier's layer (id N) last."""
 
     stored: list[int]  # layer ids as the shards hold them (our numbering)
@@ -170,7 +88,7 @@ class LayerPlan:
         return self.order != list(range(len(self.stored)))
 
 
-def plan_layers(layer_ids: list[int], num_layers: int) -> LayerPlan:
+def order_layers(layer_ids: list[int], num_layers: int) -> LayerOrder:
     """Move layer N to the end (auxiliary layers keep their order), or refuse without it.
 
     Reordering is safe because the draft's fc layer sees the auxiliary layers in the order
@@ -191,7 +109,7 @@ def plan_layers(layer_ids: list[int], num_layers: int) -> LayerPlan:
         )
     last = layer_ids.index(num_layers)
     order = [i for i in range(len(layer_ids)) if i != last] + [last]
-    return LayerPlan(list(layer_ids), num_layers, order)
+    return LayerOrder(list(layer_ids), num_layers, order)
 
 
 @dataclass(frozen=True)
@@ -201,21 +119,21 @@ class ExportSummary:
     tokens: int
     assistant_tokens: int
     rows_without_assistant_tokens: int
-    layers: LayerPlan
+    layers: LayerOrder
     hidden_dtype: str
     model_path: str
 
     def describe(self) -> str:
-        plan = self.layers
-        note = f" (reordered from stored {plan.stored})" if plan.reordered else ""
+        layers = self.layers
+        note = f" (reordered from stored {layers.stored})" if layers.reordered else ""
         return "\n".join(
             [
                 f"exported         {self.rows} samples, {self.tokens} tokens "
                 f"({self.assistant_tokens} assistant) to {self.dest}",
-                f"hidden states    layers {plan.exported}{note}, {self.hidden_dtype}, last = verifier "
-                f"(layer {plan.num_layers}, before the final norm)",
+                f"hidden states    layers {layers.exported}{note}, {self.hidden_dtype}, last = verifier "
+                f"(layer {layers.num_layers}, before the final norm)",
                 f"train with       speculators train --verifier-name-or-path {self.model_path} "
-                f"--data-path {self.dest} --target-layer-ids {' '.join(map(str, plan.aux))} ...",
+                f"--data-path {self.dest} --target-layer-ids {' '.join(map(str, layers.aux))} ...",
                 *(
                     [f"note             {self.rows_without_assistant_tokens} rows have no assistant tokens"]
                     if self.rows_without_assistant_tokens
@@ -230,7 +148,7 @@ def export(
 ) -> ExportSummary:
     if fmt not in FORMATS:
         raise ConfigError(f"export --format {fmt!r}: unknown; choose one of {', '.join(FORMATS)}")
-    return export_speculators(open_source(src, verify), Path(dest), allow_incomplete)
+    return export_speculators(open_shard_source(src, "export SRC", verify), Path(dest), allow_incomplete)
 
 
 def export_speculators(source: ShardSource, dest: Path, allow_incomplete: bool = False) -> ExportSummary:
@@ -238,11 +156,11 @@ def export_speculators(source: ShardSource, dest: Path, allow_incomplete: bool =
     indexes = _usable_indexes(source, allow_incomplete)
     reference = indexes[0].manifest
     entries = [(index.name, entry) for index in indexes for entry in index.manifest.shards]
-    first_shard = source.shard_metadata(*entries[0])
+    first_shard = _shard_metadata(source, *entries[0])
     num_layers = int(first_shard["num_model_layers"])
     hidden_dtype = first_shard["model_dtype"]
-    plan = plan_layers(reference.identity.layer_ids, num_layers)
-    order = torch.tensor(plan.order)
+    layers = order_layers(reference.identity.layer_ids, num_layers)
+    order = torch.tensor(layers.order)
 
     _claim_dest(dest)
     hidden_dir = dest / HIDDEN_STATES_DIR
@@ -260,13 +178,14 @@ def export_speculators(source: ShardSource, dest: Path, allow_incomplete: bool =
         batch = _RowBatch()
         for index_name, entry in entries:
             first_row = row
-            with source.open_shard(index_name, entry) as shard:
-                _check_shard(shard, entry, plan, index_name)
+            with source.fetch(index_name, entry) as path:
+                shard = Shard(path)
+                _check_shard(shard, entry, layers, index_name)
                 for sample in shard:
                     ids = sample.input_ids.long()
                     mask = sample.loss_mask.long()
                     states = sample.hidden_states
-                    if plan.reordered:
+                    if layers.reordered:
                         states = states.index_select(1, order)
                     save_file(
                         {"hidden_states": states.contiguous(), "token_ids": ids},
@@ -295,7 +214,7 @@ def export_speculators(source: ShardSource, dest: Path, allow_incomplete: bool =
     torch.save(dict(token_freq), dest / TOKEN_FREQ)
 
     summary = ExportSummary(
-        dest, row, tokens, assistant, unsupervised, plan, hidden_dtype, reference.model_path
+        dest, row, tokens, assistant, unsupervised, layers, hidden_dtype, reference.model_path
     )
     _write_metadata(summary, reference, indexes, row_ranges, source.location)
     return summary
@@ -329,6 +248,16 @@ class _RowBatch:
         )
         self._ids, self._masks, self._sample_ids = [], [], []
         return batch
+
+
+def _shard_metadata(source: ShardSource, index: str, entry: ShardEntry) -> dict[str, str]:
+    """A shard's metadata from its header alone (a remote source reads just that)."""
+    where = f"{source.location}/{index}/{entry.name}"
+    with source.open_stream(index, entry) as stream:
+        try:
+            return read_metadata(stream, where)
+        except ValueError as exc:
+            raise JobError(str(exc)) from None
 
 
 def _import_datasets() -> Any:
@@ -395,12 +324,12 @@ def _usable_indexes(source: ShardSource, allow_incomplete: bool) -> list[_Index]
     return indexes
 
 
-def _check_shard(shard: Shard, entry: ShardEntry, plan: LayerPlan, index: str) -> None:
+def _check_shard(shard: Shard, entry: ShardEntry, layers: LayerOrder, index: str) -> None:
     where = f"{index}/{entry.name}"
-    if shard.layer_ids != plan.stored or int(shard.metadata["num_model_layers"]) != plan.num_layers:
+    if shard.layer_ids != layers.stored or int(shard.metadata["num_model_layers"]) != layers.num_layers:
         raise JobError(
             f"{where}: layers {shard.layer_ids} of {shard.metadata['num_model_layers']} differ from the "
-            f"manifest's {plan.stored} of {plan.num_layers}"
+            f"manifest's {layers.stored} of {layers.num_layers}"
         )
     if shard.sample_ids != entry.sample_ids:
         raise JobError(f"{where}: its samples differ from those its manifest lists; the index is damaged")
@@ -428,7 +357,7 @@ def _write_metadata(
     row_ranges: dict[tuple[str, str], list[int]],
     location: str,
 ) -> None:
-    plan = summary.layers
+    layers = summary.layers
     try:
         tool_version = version("eagle3-extract")
     except PackageNotFoundError:
@@ -449,40 +378,40 @@ def _write_metadata(
             "name": manifest.model_name,
             "path": manifest.model_path,
             "config_hash": manifest.identity.model_config_hash,
-            "num_layers": plan.num_layers,
+            "num_layers": layers.num_layers,
             "hidden_size": manifest.hidden_size,
         },
         "hidden_states": {
             "dtype": summary.hidden_dtype,
             "source_storage": manifest.identity.storage,
             "note": "FP8 shards are decoded to the model dtype (value = fp8 * per-token-per-layer scale)"
-            if manifest.identity.storage == "fp8_e4m3"
+            if hidden_dtype(manifest.identity.storage).scaled
             else "copied unchanged from the shards",
         },
         "layers": {
-            "exported": plan.exported,
-            "stored": plan.stored,
-            "reordered": plan.reordered,
+            "exported": layers.exported,
+            "stored": layers.stored,
+            "reordered": layers.reordered,
             "ours": {"convention": LAYER_CONVENTION, "meaning": LAYER_CONVENTION_TEXT},
             "speculators": {
-                "layer_ids": plan.exported,
-                "target_layer_ids": plan.aux,
-                "verifier_layer_id": plan.num_layers,
-                "train_args": ["--target-layer-ids", *map(str, plan.aux)],
+                "layer_ids": layers.exported,
+                "target_layer_ids": layers.aux,
+                "verifier_layer_id": layers.num_layers,
+                "train_args": ["--target-layer-ids", *map(str, layers.aux)],
                 "meaning": "speculators >= 0.5 numbers layers as vLLM >= 0.18 does "
                 "(eagle_aux_hidden_state_layer_ids; launch_vllm --target-layer-ids plus the last layer N): "
                 "id k = input of decoder layer k = output of layer k-1, N = output of the last layer before "
                 "the final norm. That is our numbering, so the ids carry over unchanged; hidden_states[:, i] "
                 "is layer_ids[i] and the last one is the verifier's.",
             },
-            "legacy_generator_layer_ids": _legacy_ids(plan.exported),
+            "legacy_generator_layer_ids": _legacy_ids(layers.exported),
             "legacy_generator_meaning": "speculators 0.3/0.4 (VllmHiddenStatesGenerator, data_{idx}.pt) "
             "captured the output of 0-based decoder layer idx: our id k = legacy k-1 (its default "
             "[2, N//2, N-3, N-1] is our [3, N//2+1, N-2, N]); our id 0, the embeddings, has no legacy id",
         },
         "final_layer_prenorm": True,
-        "final_layer_note": f"layer {plan.num_layers} is the residual stream before the model's final norm; "
-        "the trainer applies the verifier's norm before lm_head (speculators >= 0.4 does, #313)",
+        "final_layer_note": f"layer {layers.num_layers} is the residual stream before the model's "
+        "final norm; the trainer applies the verifier's norm before lm_head (speculators >= 0.4 does, #313)",
         "source": {
             "location": location,
             "indexes": [

@@ -48,7 +48,7 @@ class Identity(BaseModel):
 
     model_config_hash: str
     layer_ids: list[int]
-    storage: str
+    storage: str  # the stored hidden dtype's name (format_version 1 calls it storage)
     data_fingerprint: str
     data_format: str
     max_length: int

@@ -24,8 +24,6 @@ LAYER_CONVENTION_TEXT = (
     "N = last decoder layer output before the final norm"
 )
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
 
 @dataclass(frozen=True)
 class ModelInfo:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from job.data.encode import EncodedSample
 from job.data.source import read_records
 from job.data.stream import EncodedStream
-from job.runner import prepare
+from job.pipeline.setup import prepare_run
 from job.settings import JobSettings
-from job.shards.writer import ShardPlanner
+from job.shards.planner import ShardPlanner
 
 # Measured on one H200, vLLM 0.26, Llama-3.1-8B shape, shards to local disk (docs/benchmarks.md,
 # run 20261129T124456Z): the basis of the rough wall-time estimate.
@@ -51,17 +51,17 @@ def _human(nbytes: float) -> str:
 
 
 def plan_index(settings: JobSettings) -> str:
-    plan = prepare(settings)
+    setup = prepare_run(settings)
     stream = EncodedStream(
-        read_records(plan.files),
-        plan.encoder,
+        read_records(setup.files),
+        setup.encoder,
         index=settings.work.index,
         count=settings.work.count,
         done_ids=set(),
         workers=settings.data.tokenizer_workers,
         prefetch=settings.data.prefetch_samples,
     )
-    planner = ShardPlanner(int(settings.output.shard_bytes), plan.bytes_per_token, 0)
+    planner = ShardPlanner(int(settings.output.shard_bytes), setup.bytes_per_token, 0)
     samples = tokens = truncated = rejected = shards = 0
     try:
         for item in stream:
@@ -75,24 +75,24 @@ def plan_index(settings: JobSettings) -> str:
         shards += sum(1 for _ in planner.flush())
     finally:
         stream.close()
-    model = plan.model
+    model = setup.model
     rows = [
         ("work index", f"{settings.work.index} of {settings.work.count}"),
         (
             "model",
             f"{model.name} ({model.architecture}, {model.num_layers} layers, hidden {model.hidden_size})",
         ),
-        ("layer ids", str(plan.layer_ids)),
+        ("layer ids", str(setup.layer_ids)),
         ("input records", f"{stream.stats.records_seen} ({stream.stats.owned} owned by this index)"),
         ("samples", f"{samples} ({truncated} truncated to {settings.data.max_length} tokens)"),
         ("rejected", str(rejected)),
         ("tokens", str(tokens)),
         (
             "bytes per token",
-            f"{plan.bytes_per_token} ({len(plan.layer_ids)} layers x {model.hidden_size} x {plan.storage}"
-            " + ids and mask)",
+            f"{setup.bytes_per_token} ({len(setup.layer_ids)} layers x {model.hidden_size} x "
+            f"{setup.dtype.name} + ids and mask)",
         ),
-        ("output bytes", _human(tokens * plan.bytes_per_token)),
+        ("output bytes", _human(tokens * setup.bytes_per_token)),
         ("shards", f"{shards} of about {_human(int(settings.output.shard_bytes))}"),
         ("estimated time", _estimate(tokens, model.config, settings.backend.tensor_parallel_size)),
     ]

@@ -14,19 +14,18 @@ class Progress:
         self._total = max(total_input_bytes, 1)
         self._start = time.monotonic()
         self._last = self._start
-        self.samples = 0  # extracted this run
-        self.tokens = 0
         self._bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=self._total, unit="B", unit_scale=True, desc="input", leave=False)
 
-    def maybe_report(self, bytes_done: int, written: int, rejected: int) -> None:
+    def maybe_report(self, tokens: int, samples: int, bytes_done: int, written: int, rejected: int) -> None:
+        """``tokens``/``samples`` extracted this run, ``bytes_done`` of the input read."""
         now = time.monotonic()
         if self._bar is not None:
             self._bar.n = min(bytes_done, self._total)
-            self._bar.set_postfix(samples=self.samples, tokens=self.tokens, refresh=False)
+            self._bar.set_postfix(samples=samples, tokens=tokens, refresh=False)
             self._bar.refresh()
         if now - self._last < self._interval:
             return
@@ -36,9 +35,9 @@ class Progress:
         eta = elapsed * (1 - fraction) / fraction if fraction > 0 else None
         self._log.info(
             "progress",
-            samples=self.samples,
-            tokens=self.tokens,
-            tok_per_s=round(self.tokens / elapsed, 1) if elapsed > 0 else None,
+            samples=samples,
+            tokens=tokens,
+            tok_per_s=round(tokens / elapsed, 1) if elapsed > 0 else None,
             written=written,
             rejected=rejected,
             input_fraction=round(fraction, 4),

@@ -156,11 +156,11 @@ class OutputSettings(Section):
         "Keep 64MiB or more in production; values down to S3's 5MiB minimum exist so tests can "
         "exercise multipart uploads with small shards",
     )
-    storage: Literal["model", "fp8_e4m3"] = Field(
+    hidden_dtype: Literal["model", "fp8_e4m3"] = Field(
         "model",
-        description="Hidden-state storage: model = the model dtype; fp8_e4m3 = FP8 with a float32 scale "
-        "per token and layer: about half the bytes, relative error per token and layer at most 6.7% "
-        "(typically 2.6%); the reader and the export decode it to the model dtype",
+        description="How hidden states are stored: model = the model dtype; fp8_e4m3 = FP8 with a "
+        "float32 scale per token and layer: about half the bytes, relative error per token and layer "
+        "at most 6.7% (typically 2.6%); the reader and the export decode it to the model dtype",
     )
 
     @field_validator("shard_bytes")

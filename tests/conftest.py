@@ -8,6 +8,37 @@
 * ``fast_args``: flags that make a CPU run cheap (inline tokenizer, float32).
 * ``job_torch_threads``: in-process torch at the subprocesses' thread count (exact compares).
 * ``write_jsonl`` / ``write_parquet`` / ``read_jsonl``: data set and output files.
+
+Which tests cover which module (a change to the module runs these first):
+
+=================================  ===================================================================
+module                             tests
+=================================  ===================================================================
+job/settings.py                    test_settings, test_container (manifests against the model)
+job/data/source.py                 test_data_formats, test_s3_store (object-store input)
+job/data/stream.py                 test_stream, test_work_split
+job/data/encode.py, formats.py     test_loss_masks, test_data_formats, test_rejections_and_logs
+job/pipeline/setup.py              test_fp8 (bytes per token), test_local_model (fingerprints)
+job/pipeline/runner.py, resume.py  test_resume, test_output_stability, test_sigterm, test_s3_job
+job/pipeline/feed.py               test_shard_planner
+job/pipeline/routing.py, commit.py test_committer, test_local_model (repack after NaN)
+job/pipeline/rejections.py         test_rejections_and_logs
+job/pipeline/stop.py               test_stop_flag, test_sigterm
+job/shards/planner.py              test_shard_planner
+job/shards/writer.py, format.py    test_shard_writer, test_committer, test_output_stability
+job/shards/reader.py               test_shards_roundtrip, test_fp8
+job/storage/local.py, staging.py   test_resume, test_committer, test_shard_planner
+job/storage/objects.py, s3.py      test_s3_store, test_s3_job, test_s3_export
+job/hidden_dtype.py                test_fp8, test_output_stability
+job/backends/hf.py                 test_layer_convention, test_shards_roundtrip
+job/backends/vllm.py, job/worker/  test_vllm_e2e, test_vllm_tp, test_ring
+adapters/, config/adapters.yaml    test_adapter_selection, test_vllm_contract
+job/export.py                      test_export, test_s3_export
+job/logs.py                        test_rejections_and_logs, test_s3_job (no secrets)
+job/plan.py, inspect.py            test_shards_roundtrip
+job/compare.py                     test_vllm_tp
+Dockerfile, k8s/                   test_container, test_sigterm
+=================================  ===================================================================
 """
 
 from __future__ import annotations

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from adapters import UnsupportedVllmVersion, load_adapter_sets, select_adapter_set
-from adapters.registry import CONCERNS
+import pytest
+import yaml
+
+from adapters import UnsupportedVllmVersion, VllmFacts, load_adapter_sets, select_adapter_set
 from job.errors import EXIT_CONFIG, ConfigError
+from job.settings import config_dir
 
 
 @pytest.mark.parametrize(
@@ -48,15 +51,34 @@ def test_a_setting_forces_a_set() -> None:
         select_adapter_set("0.16.0", forced="nope")
 
 
-def test_every_concern_of_every_set_resolves_to_code() -> None:
-    # Importing the adapter modules needs no vLLM: they import it lazily.
+def test_every_set_states_every_fact() -> None:
     for adapter_set in load_adapter_sets():
-        for concern in CONCERNS:
-            assert callable(adapter_set.get(concern)), (adapter_set.name, concern)
+        assert isinstance(adapter_set.facts, VllmFacts)
+        assert set(adapter_set.facts.model_dump()) == set(VllmFacts.model_fields)
 
 
-def test_a_broken_adapters_file_is_a_config_error(tmp_path) -> None:
+def test_a_new_version_with_unchanged_internals_is_one_entry(tmp_path: Path) -> None:
+    """vLLM 0.27 behaving like 0.26: one YAML entry, no code."""
+    raw = yaml.safe_load((config_dir() / "adapters.yaml").read_text())
+    raw["adapter_sets"]["vllm-0.27"] = {**raw["adapter_sets"]["vllm-0.26"], "versions": ">=0.27.0,<0.28"}
+    path = tmp_path / "adapters.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    new = select_adapter_set("0.27.1", sets=load_adapter_sets(path))
+    assert new.name == "vllm-0.27"
+    assert new.facts == select_adapter_set("0.26.0").facts
+
+
+@pytest.mark.parametrize(
+    ("entry", "problem"),
+    [
+        ("    request_eos_token_id: true\n", "versions"),
+        ("    versions: '>=1'\n    request_eos_token_id: true\n", "kv_cache_setup: Field required"),
+        ("    versions: '>=1'\n    kv_cache_setup: guess\n", "kv_cache_setup: Input should be"),
+        ("    versions: '>=1'\n    eos: true\n", "eos: Extra inputs are not permitted"),
+    ],
+)
+def test_a_broken_adapters_file_is_a_config_error(tmp_path: Path, entry: str, problem: str) -> None:
     broken = tmp_path / "adapters.yaml"
-    broken.write_text("adapter_sets:\n  x:\n    versions: '>=1'\n    request: a:b\n")
-    with pytest.raises(ConfigError, match="missing"):
+    broken.write_text("adapter_sets:\n  x:\n" + entry)
+    with pytest.raises(ConfigError, match=f"adapter set 'x'.*{problem}"):
         load_adapter_sets(broken)

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from job.cli import main
 from job.errors import EXIT_CONFIG, EXIT_FAILURE, ConfigError
-from job.export import METADATA, plan_layers
+from job.export import METADATA, order_layers
 from job.shards import Sample, iter_output, read_manifest
 
 N = 8  # builtin:tiny-llama's decoder layers
@@ -76,7 +76,7 @@ def fp8_reordered(inprocess_env: None, tmp_path_factory: pytest.TempPathFactory)
         "--work.index=0",
         "--work.count=1",
         "--model.dtype=float32",
-        "--output.storage=fp8_e4m3",
+        "--output.hidden_dtype=fp8_e4m3",
         f"--layers.ids=[{N},2,4,5]",
     )
     dest = out.parent / "speculators"
@@ -277,11 +277,11 @@ def test_export_refuses_bad_arguments(
     assert "--format speculators SRC DST" in capsys.readouterr().err
 
 
-def test_layer_plan_needs_the_last_layer() -> None:
-    assert plan_layers([2, 4, 5, N], N).order == [0, 1, 2, 3]
-    plan = plan_layers([2, N, 0], N)
-    assert plan.exported == [2, 0, N] and plan.aux == [2, 0] and plan.reordered
+def test_layer_order_needs_the_last_layer() -> None:
+    assert order_layers([2, 4, 5, N], N).order == [0, 1, 2, 3]
+    layers = order_layers([2, N, 0], N)
+    assert layers.exported == [2, 0, N] and layers.aux == [2, 0] and layers.reordered
     with pytest.raises(ConfigError, match=r"layers\.ids including 8"):
-        plan_layers([2, 4, 5], N)
+        order_layers([2, 4, 5], N)
     with pytest.raises(ConfigError, match="auxiliary"):
-        plan_layers([N], N)
+        order_layers([N], N)

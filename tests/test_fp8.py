@@ -1,7 +1,7 @@
 """FP8 (e4m3) hidden-state storage: what is written, how exactly it decodes, what it saves.
 
 Two real runs of the builtin tiny model on the bundled examples, identical except for
-``output.storage``; the model-dtype run is the reference for the FP8 one.
+``output.hidden_dtype``; the model-dtype run is the reference for the FP8 one.
 
 Error bound. e4m3 keeps 3 mantissa bits, so round-to-nearest changes every element
 in the normal range by at most 2^-4 = 6.25% of itself. With scale = amax / 448 per
@@ -26,10 +26,12 @@ from safetensors import safe_open
 
 from job.cli import main
 from job.errors import ConfigError
-from job.quantize import FP8, to_storage
-from job.runner import prepare
+from job.hidden_dtype import FP8 as FP8_DTYPE
+from job.pipeline.setup import prepare_run
 from job.settings import load_settings
 from job.shards import Shard, iter_output, read_manifest
+
+FP8 = FP8_DTYPE.name  # "fp8_e4m3", as settings, shards and manifests spell it
 
 MAX_REL_ERROR = 0.07
 MEAN_REL_ERROR = 0.035
@@ -47,7 +49,7 @@ def outputs(inprocess_env: None, tmp_path_factory: pytest.TempPathFactory) -> di
     base = tmp_path_factory.mktemp("fp8")
     return {
         "model": run_job(base / "model"),
-        FP8: run_job(base / "fp8", f"--output.storage={FP8}"),
+        FP8: run_job(base / "fp8", f"--output.hidden_dtype={FP8}"),
     }
 
 
@@ -116,8 +118,8 @@ def test_fp8_halves_bytes_per_token(outputs: dict[str, Path]) -> None:
     # 1 byte instead of 2 an element; the scales (4 bytes a layer) cost 4/H more
     assert fp8_bpt / model_bpt < 0.5 + 4 / hidden + 0.01
 
-    settings = load_settings(None, [f"--output.storage={FP8}", *RUN_ARGS])
-    assert prepare(settings).bytes_per_token == fp8_row
+    settings = load_settings(None, [f"--output.hidden_dtype={FP8}", *RUN_ARGS])
+    assert prepare_run(settings).bytes_per_token == fp8_row
 
 
 def test_per_layer_scales_keep_small_layers_precise() -> None:
@@ -133,7 +135,7 @@ def test_per_layer_scales_keep_small_layers_precise() -> None:
     states[:, 0] *= 1e-5
     states[:, 2] *= 1e3
     states[:5, 1] = 0.0
-    rows, scales = to_storage(states, FP8)
+    rows, scales = FP8_DTYPE.encode(states)
     assert rows.dtype == torch.float8_e4m3fn and scales is not None and scales.shape == (64, 4)
     decoded = rows.float() * scales.unsqueeze(-1)
     assert torch.equal(decoded[:5, 1], torch.zeros(5, 1024))
@@ -146,8 +148,8 @@ def test_per_layer_scales_keep_small_layers_precise() -> None:
     assert shared_rel[:, 0].min() > 0.5  # the small layer is lost without its own scale
 
 
-def test_storage_setting_is_validated() -> None:
-    with pytest.raises(ConfigError, match=r"output\.storage"):
-        load_settings(None, ["--output.storage=fp4"])
-    assert load_settings(None, [f"--output.storage={FP8}"]).output.storage == FP8
-    assert load_settings(None, []).output.storage == "model"
+def test_hidden_dtype_setting_is_validated() -> None:
+    with pytest.raises(ConfigError, match=r"output\.hidden_dtype"):
+        load_settings(None, ["--output.hidden_dtype=fp4"])
+    assert load_settings(None, [f"--output.hidden_dtype={FP8}"]).output.hidden_dtype == FP8
+    assert load_settings(None, []).output.hidden_dtype == "model"

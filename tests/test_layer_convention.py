@@ -22,6 +22,7 @@ import torch
 
 from job.backends import extract_all
 from job.backends.hf import HFBackend
+from job.hidden_dtype import hidden_dtype
 from job.model import ModelInfo, resolve_model
 from job.settings import ModelSettings
 
@@ -39,7 +40,7 @@ def case(request: pytest.FixtureRequest) -> dict[str, Any]:
     info: ModelInfo = resolve_model(ModelSettings(path=request.param, dtype="float32"))
     n = info.num_layers
     layer_ids = [0, 1, n // 2, n]
-    backend = HFBackend.load(info, layer_ids, "cpu", "float32")
+    backend = HFBackend.load(info, layer_ids, "cpu", hidden_dtype("float32"))
     ours = extract_all(backend, list(SEQUENCES))
     backend.close()
     # An independent copy of the model, without our hooks, as the reference.

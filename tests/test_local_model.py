@@ -20,8 +20,9 @@ from safetensors.torch import load_file, save_file
 from job.backends import extract_all
 from job.backends.hf import HFBackend
 from job.checksum import crc64nvme_file
+from job.hidden_dtype import hidden_dtype
 from job.model import resolve_model
-from job.runner import tokenizer_fingerprint
+from job.pipeline.setup import tokenizer_fingerprint
 from job.settings import ModelSettings
 from job.shards import iter_output, open_shard, read_manifest
 
@@ -108,7 +109,7 @@ def test_good_samples_survive_the_repack(
     got = list(iter_output(run["out"]))
     by_id = {s["id"]: s for s in samples()}
     reference = extract_all(
-        HFBackend.load(info, [2, 4, 5, 8], "cpu", "float32"),
+        HFBackend.load(info, [2, 4, 5, 8], "cpu", hidden_dtype("float32")),
         [np.asarray(by_id[s.sample_id]["input_ids"], np.int32) for s in got],
     )
     for sample, want in zip(got, reference, strict=True):

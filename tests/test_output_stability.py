@@ -24,8 +24,8 @@ import torch
 
 from job.backends import Backend, BackendInput, HiddenChunk
 from job.checksum import crc64nvme_file
-from job.quantize import to_storage
-from job.runner import run_job
+from job.hidden_dtype import HiddenDtype, hidden_dtype
+from job.pipeline.runner import run_job
 from job.settings import load_settings
 
 HIDDEN = 64
@@ -62,9 +62,9 @@ class DeterministicBackend(Backend):
 
     name = "deterministic"
 
-    def __init__(self, num_layers: int, storage: str) -> None:
+    def __init__(self, num_layers: int, dtype: HiddenDtype) -> None:
         self.num_layers = num_layers
-        self.storage = storage
+        self.dtype = dtype
 
     @property
     def info(self) -> dict[str, Any]:
@@ -88,9 +88,9 @@ class DeterministicBackend(Backend):
             half = len(ids) // 2
             for start, stop in ((0, half), (half, len(ids))):
                 part = states[start:stop]
-                rows, scales = to_storage(part, self.storage)
+                rows, scales = self.dtype.encode(part)
                 yield HiddenChunk(
-                    item.key,
+                    item.sample_id,
                     start,
                     rows.contiguous(),
                     None if scales is None else scales.contiguous(),
@@ -184,12 +184,14 @@ def test_a_run_writes_the_recorded_bytes(
             "--data.max_length=256",
             "--data.tokenizer_workers=0",
             f"--output.uri={tmp_path / 'out'}",
-            f"--output.storage={storage}",
+            f"--output.hidden_dtype={storage}",
             "--output.shard_bytes=256KiB",
             "--log.format=json",
         ]
     )
-    backend = DeterministicBackend(num_layers=4, storage=storage if storage != "model" else "bfloat16")
+    backend = DeterministicBackend(
+        num_layers=4, dtype=hidden_dtype(storage if storage != "model" else "bfloat16")
+    )
     totals = run_job(settings, backend=backend)
     assert totals["status"] == "complete"
     got = _output_digests(tmp_path / "out" / "index-00000")

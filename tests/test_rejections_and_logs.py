@@ -17,6 +17,7 @@ import torch
 from job.backends import extract_all
 from job.backends.hf import HFBackend
 from job.data.encode import EncodedSample, EncoderSpec, RejectedSample, SampleEncoder
+from job.hidden_dtype import hidden_dtype
 from job.model import resolve_model
 from job.settings import ModelSettings
 from job.shards import iter_output, read_manifest
@@ -162,7 +163,8 @@ def test_default_bfloat16_output_matches_the_reference(
     info = resolve_model(ModelSettings(path="builtin:tiny-llama"))
     assert info.dtype == "bfloat16"
     reference = extract_all(
-        HFBackend.load(info, [2, 4, 5, 8], "cpu", "bfloat16"), [s.input_ids.numpy() for s in samples]
+        HFBackend.load(info, [2, 4, 5, 8], "cpu", hidden_dtype("bfloat16")),
+        [s.input_ids.numpy() for s in samples],
     )
     for sample, want in zip(samples, reference, strict=True):
         assert sample.hidden_states.dtype == torch.bfloat16

@@ -35,7 +35,7 @@ from s3_fixtures import (  # noqa: E402
 )
 
 from job.errors import EXIT_CONFIG, EXIT_SUPERSEDED, EXIT_TERMINATED  # noqa: E402
-from job.shards.format import shard_number  # noqa: E402
+from job.layout import shard_number  # noqa: E402
 
 pytest_plugins = ["s3_fixtures"]
 pytestmark = pytest.mark.s3

@@ -1,4 +1,5 @@
-"""S3IndexStore and S3 input against a real S3 server (SeaweedFS), in process: no model runs."""
+"""The object-store output and input through the S3 transport, against a real S3 server
+(SeaweedFS), in process: no model runs."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ pytest.register_assert_rewrite("s3_fixtures")
 from s3_fixtures import TEST_MAX_STAGED_BYTES, FaultProxy, job_env, multipart_uploads  # noqa: E402
 
 from job.checksum import crc64nvme_file  # noqa: E402
-from job.data.source import read_records  # noqa: E402
+from job.data.source import list_input_files, read_records  # noqa: E402
 from job.errors import EXIT_SUPERSEDED, ConfigError, Superseded  # noqa: E402
 from job.settings import OutputSettings  # noqa: E402
-from job.storage.s3 import S3IndexStore, list_s3_input_files, retry_counter  # noqa: E402
+from job.storage import s3 as s3_transport  # noqa: E402
+from job.storage.objects import ObjectIndexStore  # noqa: E402
+from job.storage.staging import StagedShard  # noqa: E402
 
 pytest_plugins = ["s3_fixtures"]
 pytestmark = pytest.mark.s3
@@ -50,14 +53,31 @@ def output(bucket: str, prefix: str, **overrides: Any) -> OutputSettings:
     return OutputSettings.model_validate(settings | overrides)
 
 
+def open_store(settings: OutputSettings, index: int, **kwargs: Any) -> ObjectIndexStore:
+    transport, root = s3_transport.connect(
+        settings.uri,
+        "output.uri",
+        upload_threads=int(settings.upload_threads),
+        part_size=int(settings.part_size),
+    )
+    return ObjectIndexStore.open(transport, root, settings, index, **kwargs)
+
+
 def random_file(path: Path, size: int) -> Path:
     path.write_bytes(os.urandom(size))
     return path
 
 
+def stage_random(store: ObjectIndexStore, name: str, size: int) -> StagedShard:
+    staged = store.stage_shard(name, size)
+    assert staged is not None
+    random_file(staged.path, size)
+    return staged
+
+
 def test_manifest_compare_and_swap(s3_env: None, s3: Any, bucket: str) -> None:
-    first = S3IndexStore.open(output(bucket, "store-cas"), 1)
-    second = S3IndexStore.open(output(bucket, "store-cas"), 1)
+    first = open_store(output(bucket, "store-cas"), 1)
+    second = open_store(output(bucket, "store-cas"), 1)
     try:
         assert first.read_manifest() == (None, None)
         version = first.write_manifest(b'{"run": "first", "n": 1}', None)
@@ -83,15 +103,16 @@ def test_manifest_compare_and_swap(s3_env: None, s3: Any, bucket: str) -> None:
 def test_shards_are_checksummed_multipart_and_never_overwritten(
     s3_env: None, s3: Any, bucket: str, tmp_path: Path
 ) -> None:
-    store = S3IndexStore.open(output(bucket, "store-keys", max_staged_bytes="64MiB"), 0)
+    store = open_store(output(bucket, "store-keys", max_staged_bytes="64MiB"), 0)
     try:
         assert store.list_names() == []
         # Another writer takes shard-00000 after this run listed the prefix.
         s3.put_object(Bucket=bucket, Key="store-keys/index-00000/shard-00000.safetensors", Body=b"theirs")
-        big = random_file(store.shard_staging_path("shard-00000.safetensors"), 12 * MiB)
+        staged = store.stage_shard("shard-00000.safetensors", 12 * MiB)
+        assert staged is not None
+        big = random_file(staged.path, 12 * MiB)
         checksum = crc64nvme_file(big)
-        store.reserve_staging("shard-00000.safetensors", 12 * MiB)
-        committed = store.commit_shard(big, "shard-00000.safetensors", checksum)
+        committed = store.commit_shard(staged, checksum)
         assert committed.name == "shard-00001.safetensors"  # re-keyed, not overwritten
         assert (committed.bytes, committed.checksum) == (12 * MiB, checksum)
         theirs = s3.get_object(Bucket=bucket, Key="store-keys/index-00000/shard-00000.safetensors")
@@ -103,16 +124,14 @@ def test_shards_are_checksummed_multipart_and_never_overwritten(
         assert head["ChecksumType"] == "FULL_OBJECT"
         assert head["ETag"].strip('"').endswith("-3")  # 5 + 5 + 2 MiB parts
         assert not big.exists()  # deleted once S3's checksum matched
-        assert store._staged_bytes == 0
+        assert store.staging.used_bytes == 0
 
-        small = random_file(store.shard_staging_path("shard-00002.safetensors"), 1000)
-        committed = store.commit_shard(small, "shard-00002.safetensors", crc64nvme_file(small))
+        small = stage_random(store, "shard-00002.safetensors", 1000)
+        committed = store.commit_shard(small, crc64nvme_file(small.path))
         assert committed.name == "shard-00002.safetensors"
         # The planner's next number is one this run already used: it moves on, too.
-        again = random_file(store.shard_staging_path("shard-00001.safetensors"), 1000)
-        assert store.commit_shard(again, "shard-00001.safetensors", crc64nvme_file(again)).name == (
-            "shard-00003.safetensors"
-        )
+        again = stage_random(store, "shard-00001.safetensors", 1000)
+        assert store.commit_shard(again, crc64nvme_file(again.path)).name == "shard-00003.safetensors"
         assert store.stats["key_conflicts"] == 1
         assert multipart_uploads(s3, bucket, "store-keys") == []
     finally:
@@ -120,28 +139,30 @@ def test_shards_are_checksummed_multipart_and_never_overwritten(
 
 
 def test_staging_space_is_bounded(s3_env: None, bucket: str) -> None:
-    store = S3IndexStore.open(
-        output(bucket, "store-staging", shard_bytes="8KiB", max_staged_bytes="10KiB"), 0
-    )
+    store = open_store(output(bucket, "store-staging", shard_bytes="8KiB", max_staged_bytes="10KiB"), 0)
     try:
-        store.reserve_staging("a", 6000)
+        a = store.stage_shard("a", 6000)
+        assert a is not None
         got_b = threading.Event()
-        waiter = threading.Thread(target=lambda: (store.reserve_staging("b", 6000), got_b.set()))
+        waiter = threading.Thread(target=lambda: (store.stage_shard("b", 6000), got_b.set()))
         waiter.start()
         assert not got_b.wait(0.3)  # 12000 bytes would exceed the bound: extraction waits
-        store.release_staging("a")
+        assert store.stage_shard("c", 6000, timeout_s=0.05) is None  # a bounded wait gives up
+        a.discard()
+        a.discard()  # idempotent: the space is given back once
         assert got_b.wait(5)
         waiter.join()
-        assert store.stats["staging_high_water_bytes"] == 6000
-        assert store.stats["staging_waits"] == 1
+        assert store.staging.used_bytes == 6000
+        assert store.staging.high_water_bytes == 6000
+        assert store.staging.waits == 1
         with pytest.raises(ConfigError, match=r"output\.max_staged_bytes.*output\.shard_bytes"):
-            store.reserve_staging("huge", 20000)
+            store.stage_shard("huge", 20000)
     finally:
         store.close()
 
 
 def test_logs_are_shipped_periodically_and_at_the_end(s3_env: None, s3: Any, bucket: str) -> None:
-    store = S3IndexStore.open(output(bucket, "store-logs"), 0, log_interval_s=0.2)
+    store = open_store(output(bucket, "store-logs"), 0, log_interval_s=0.2)
     key = "store-logs/index-00000/logs/run-1.jsonl"
 
     def shipped() -> bytes | None:
@@ -175,7 +196,7 @@ def test_new_owner_aborts_stale_multipart_uploads(s3_env: None, s3: Any, bucket:
     key = "store-stale/index-00000/shard-00007.safetensors"
     upload = s3.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
     s3.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * 1000)
-    store = S3IndexStore.open(output(bucket, "store-stale"), 0)
+    store = open_store(output(bucket, "store-stale"), 0)
     try:
         # Opening is not owning: a run still finishing this index may be uploading.
         assert [u["UploadId"] for u in multipart_uploads(s3, bucket, "store-stale")] == [upload]
@@ -193,21 +214,19 @@ def test_store_survives_injected_faults(
     before and after S3 ran the request, and mid-response."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.endpoint)
     fault_proxy.fault_rate = 0.2
-    retries_before = retry_counter.retries
-    store = S3IndexStore.open(output(bucket, "store-faults", max_staged_bytes="64MiB", upload_threads=2), 0)
+    store = open_store(output(bucket, "store-faults", max_staged_bytes="64MiB", upload_threads=2), 0)
     sizes = [11 * MiB, 100_000, 6 * MiB, 200_000, 11 * MiB, 1000, 300_000, 7 * MiB]
     expected = {}
     try:
         _, version = store.read_manifest()
         version = store.write_manifest(b"[]", version)
         for number, size in enumerate(sizes):
-            name = f"shard-{number:05d}.safetensors"
-            path = random_file(store.shard_staging_path(name), size)
-            store.reserve_staging(name, size)
-            committed = store.commit_shard(path, name, crc64nvme_file(path))
+            staged = stage_random(store, f"shard-{number:05d}.safetensors", size)
+            committed = store.commit_shard(staged, crc64nvme_file(staged.path))
             expected[committed.name] = committed.checksum
             version = store.write_manifest(json.dumps(sorted(expected)).encode(), version)
         data, _ = store.read_manifest()
+        retries = store.transport.retries
     finally:
         store.close()
     assert json.loads(data or b"") == sorted(expected) == [f"shard-{n:05d}.safetensors" for n in range(8)]
@@ -218,10 +237,10 @@ def test_store_survives_injected_faults(
     injected = sum(fault_proxy.faults.values())
     print(
         f"\nstore under faults: {len(fault_proxy.requests)} requests, {dict(fault_proxy.faults)}, "
-        f"{retry_counter.retries - retries_before} botocore retries"
+        f"{retries} botocore retries"
     )
     assert injected >= 10 and len(fault_proxy.faults) >= 4
-    assert retry_counter.retries > retries_before
+    assert retries > 0
 
 
 def test_s3_input_files_list_and_read(
@@ -237,12 +256,12 @@ def test_s3_input_files_list_and_read(
     s3.put_object(Bucket=bucket, Key="inputs/notes.txt", Body=b"ignored")
     s3.put_object(Bucket=bucket, Key="inputs-other/c.jsonl", Body=b"{}\n")  # shares the prefix string
 
-    files = list_s3_input_files(f"s3://{bucket}/inputs")
+    files = list_input_files(f"s3://{bucket}/inputs")
     assert [(f.name, f.size) for f in files] == [
         ("a.jsonl", len(jsonl)),
         ("b/part.parquet", len(parquet.getvalue())),
     ]
-    assert [f.name for f in list_s3_input_files(f"s3://{bucket}/inputs/a.jsonl")] == ["a.jsonl"]
+    assert [f.name for f in list_input_files(f"s3://{bucket}/inputs/a.jsonl")] == ["a.jsonl"]
 
     # Every body read through the proxy is cut off halfway once: the reader resumes where it was.
     monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.endpoint)
@@ -255,7 +274,7 @@ def test_s3_input_files_list_and_read(
         return None
 
     fault_proxy.fault_for = cut_first_get
-    records = list(read_records(list_s3_input_files(f"s3://{bucket}/inputs/")))
+    records = list(read_records(list_input_files(f"s3://{bucket}/inputs/")))
     assert [r.sample_id for r in records] == [
         *(f"p{i}" for i in range(40)),
         "a.jsonl:41",
@@ -266,6 +285,6 @@ def test_s3_input_files_list_and_read(
     assert fault_proxy.faults["reset mid-response"] == 2
 
     with pytest.raises(ConfigError, match=r"no \.jsonl or \.parquet objects"):
-        list_s3_input_files(f"s3://{bucket}/no-such-prefix")
+        list_input_files(f"s3://{bucket}/no-such-prefix")
     with pytest.raises(ConfigError, match="does not exist"):
-        list_s3_input_files("s3://no-such-bucket-eagle3/x")
+        list_input_files("s3://no-such-bucket-eagle3/x")

@@ -104,7 +104,7 @@ def test_sources_merge_per_key_not_per_section(run_job: Callable[..., Any], yaml
     assert vllm["max_num_batched_tokens"] == 2048  # env over YAML's 4096
     assert vllm["gpu_memory_utilization"] == 0.85  # default.yaml
     assert (got["output"]["uri"], got["output"]["shard_bytes"]) == ("/from/yaml", 1024**2)  # YAML
-    assert got["output"]["storage"] == "model"  # default.yaml
+    assert got["output"]["hidden_dtype"] == "model"  # default.yaml
     assert got["data"]["max_length"] == 100  # YAML
     assert got["data"]["too_long"] == "skip"  # env
     assert got["data"]["format"] == "auto"  # default

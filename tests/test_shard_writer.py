@@ -19,12 +19,26 @@ from awscrt.checksums import crc64nvme
 
 from job.checksum import combine_pieces, crc64nvme_bytes, crc64nvme_file
 from job.data.encode import EncodedSample
+from job.hidden_dtype import hidden_dtype
 from job.shards import open_shard
-from job.shards.writer import FinishedShard, ShardContext, ShardPlan, ShardWriter, _filesystem_type
+from job.shards.planner import ShardPlan
+from job.shards.writer import FinishedShard, ShardContext, ShardWriter, _filesystem_type
+from job.storage.staging import StagedShard, StagingArea
 
 LAYERS, HIDDEN = 4, 512  # bf16 rows of 4 KiB
 LENGTHS = [37, 300, 5, 128]
-CONTEXT = ShardContext(LAYERS, HIDDEN, "bfloat16", {"model_dtype": "bfloat16", "layer_ids": "[1, 2, 3, 4]"})
+CONTEXT = ShardContext(
+    LAYERS,
+    HIDDEN,
+    hidden_dtype("bfloat16"),
+    {"model_dtype": "bfloat16", "dtype": "bfloat16", "layer_ids": "[1, 2, 3, 4]"},
+)
+
+
+def _staged(directory: Path, plan: ShardPlan, writer: ShardWriter) -> StagedShard:
+    staged = StagingArea(directory, limit=None).reserve(plan.name, writer.layout(plan).total_bytes)
+    assert staged is not None
+    return staged
 
 
 def _samples() -> list[EncodedSample]:
@@ -62,20 +76,22 @@ def _write(
 ) -> tuple[FinishedShard, list[EncodedSample]]:
     samples = _samples()
     finished: list[FinishedShard] = []
-    writer = ShardWriter(CONTEXT, lambda name: directory / name, finished.append, direct_io=direct_io)
-    keys = writer.open(ShardPlan(0, samples), 0)
+    writer = ShardWriter(CONTEXT, finished.append, direct_io=direct_io)
+    plan = ShardPlan(0, samples)
+    writer.open(plan, _staged(directory, plan, writer))
     # Samples interleaved chunk by chunk, as rows of several requests arrive per step.
-    position = dict.fromkeys(keys, 0)
+    lengths = {s.sample_id: s.num_tokens for s in samples}
+    position = dict.fromkeys(lengths, 0)
     while position:
-        for key in list(position):
-            start = position[key]
-            stop = min(start + chunk, samples[key].num_tokens)
-            writer.write_rows(key, start, rows[start:stop].view(torch.uint8).numpy().data)
-            if stop == samples[key].num_tokens:
-                del position[key]
-                writer.finish_sample(key)
+        for sample_id in list(position):
+            start = position[sample_id]
+            stop = min(start + chunk, lengths[sample_id])
+            writer.write_rows(sample_id, start, rows[start:stop].view(torch.uint8).numpy().data)
+            if stop == lengths[sample_id]:
+                del position[sample_id]
+                writer.finish_sample(sample_id)
             else:
-                position[key] = stop
+                position[sample_id] = stop
     assert len(finished) == 1
     return finished[0], samples
 
@@ -98,11 +114,11 @@ def test_rows_read_back_exactly_with_the_files_checksum(
             rows = rows.view(max(LENGTHS), LAYERS, HIDDEN)
         finished, samples = _write(directory, rows, chunk=64)
 
-        assert finished.checksum == crc64nvme_file(finished.path)
+        assert finished.checksum == crc64nvme_file(finished.staged.path)
         direct = aligned and _supports_direct_io(directory)
         hidden_bytes = sum(LENGTHS) * LAYERS * HIDDEN * 2
         assert finished.direct_bytes == (hidden_bytes if direct else 0), _filesystem_type(str(directory))
-        shard = open_shard(finished.path)
+        shard = open_shard(finished.staged.path)
         for i, sample in enumerate(samples):
             got = shard.sample(i)
             assert got.sample_id == sample.sample_id
@@ -130,8 +146,9 @@ def test_page_aligned_memory_of_an_odd_length_is_not_written_directly(tmp_path: 
     """Direct I/O needs address, offset and length aligned: a page-aligned buffer
     of an odd size (a header, ids) must take the mapping, not fail with EINVAL."""
     samples = _samples()[:1]
-    writer = ShardWriter(CONTEXT, lambda name: tmp_path / name, lambda _finished: None, direct_io=True)
-    writer.open(ShardPlan(0, samples), 0)
+    writer = ShardWriter(CONTEXT, lambda _finished: None, direct_io=True)
+    plan = ShardPlan(0, samples)
+    writer.open(plan, _staged(tmp_path, plan, writer))
     shard = writer._open[0]
     odd = mmap.mmap(-1, 4096)
     odd[:100] = os.urandom(100)
@@ -146,8 +163,8 @@ def test_transient_staging_keeps_rows_in_the_page_cache(tmp_path: Path) -> None:
     _buffer, rows = _page_aligned_rows(max(LENGTHS))
     finished, samples = _write(tmp_path, rows, chunk=64, direct_io=False)
     assert finished.direct_bytes == 0
-    assert finished.checksum == crc64nvme_file(finished.path)
-    shard = open_shard(finished.path)
+    assert finished.checksum == crc64nvme_file(finished.staged.path)
+    shard = open_shard(finished.staged.path)
     assert all(
         torch.equal(shard.sample(i).hidden_states, rows[: s.num_tokens]) for i, s in enumerate(samples)
     )

@@ -26,6 +26,7 @@ from job.backends.hf import HFBackend
 from job.checksum import crc64nvme_file
 from job.data.encode import EncodedSample, EncoderSpec, SampleEncoder
 from job.data.source import data_fingerprint, list_input_files
+from job.hidden_dtype import hidden_dtype
 from job.manifest import Manifest
 from job.model import LAYER_CONVENTION, resolve_model
 from job.settings import ModelSettings
@@ -157,7 +158,7 @@ def test_hidden_states_equal_the_reference_backend(
     run: dict[str, Any], expected: dict[str, EncodedSample], job_torch_threads: int
 ) -> None:
     info = resolve_model(ModelSettings(path="builtin:tiny-llama", dtype="float32"))
-    backend = HFBackend.load(info, LAYER_IDS, "cpu", "float32")
+    backend = HFBackend.load(info, LAYER_IDS, "cpu", hidden_dtype("float32"))
     samples = list(iter_output(run["out"]))
     reference = extract_all(backend, [expected[s.sample_id].input_ids for s in samples])
     for sample, want in zip(samples, reference, strict=True):

@@ -16,8 +16,7 @@ import pytest
 
 from job.data.encode import EncodedSample, EncoderSpec, RejectedSample
 from job.data.source import list_input_files, read_records
-from job.data.split import owner_index
-from job.data.stream import CHUNK, EncodedStream
+from job.data.stream import CHUNK, EncodedStream, owner_index
 
 NUM = 3 * CHUNK + 5  # several chunks, so several workers really interleave
 

@@ -114,19 +114,20 @@ def test_request_without_block_hasher_breaks_prefix_caching(model_dir: Path) -> 
         ADAPTERS.request(f"bare-{i}", _prompt(i, length), prefill_sampling_params(), None) for i in range(2)
     ]
     assert all(r.block_hashes == [] for r in bare)
-    if ADAPTERS.name == "vllm-0.16":
+    failure = ADAPTERS.facts.prefix_cache_without_hashes
+    if failure == "assertion_error":
         for request in bare:
             scheduler.add_request(request)
         with pytest.raises(AssertionError) as info:
             scheduler.schedule()
         assert info.traceback[-1].path.name == "block_pool.py"
         assert "len(request.block_hashes) >= num_full_blocks" in str(info.traceback[-1].statement)
-    elif ADAPTERS.name == "vllm-0.26":
+    elif failure == "index_error":
         for request in bare:
             scheduler.add_request(request)
         with pytest.raises(IndexError):
             scheduler.schedule()
-    else:  # 0.33: no crash, but those blocks are silently never cached
+    else:  # no crash, but those blocks are silently never cached
         _drive(scheduler, bare)
         again = ADAPTERS.request("bare-again", _prompt(0, length), prefill_sampling_params(), None)
         scheduler.add_request(again)
@@ -171,30 +172,37 @@ def test_chunked_prefill_spreads_a_long_prompt_over_steps(model_dir: Path) -> No
     assert first.num_scheduled_tokens["long"] == 256  # max_num_batched_tokens
 
 
-def test_the_vllm_internals_each_adapter_calls_exist() -> None:
-    """Signature-level contract for the pieces that need a model to run (KV set-up)."""
+def test_the_selected_facts_hold_for_the_installed_vllm() -> None:
+    """Every fact of the selected set, checked against the installed vLLM's own signatures
+    (the KV set-up needs a model to run: here it is checked at this level)."""
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.request import Request
 
+    facts = ADAPTERS.facts
     scheduler_params = inspect.signature(Scheduler.__init__).parameters
     request_params = inspect.signature(Request.__init__).parameters
+    hasher_params = inspect.signature(kv_cache_utils.get_request_block_hasher).parameters
     executor_methods = ("get_kv_cache_specs", "determine_available_memory", "initialize_from_config")
     assert all(hasattr(Executor, m) for m in (*executor_methods, "execute_model", "sample_tokens"))
     assert "block_hasher" in request_params and "block_size" in scheduler_params
-    if ADAPTERS.name == "vllm-0.16":
-        assert "eos_token_id" in request_params and "hash_block_size" not in scheduler_params
+    assert ("eos_token_id" in request_params) == facts.request_eos_token_id
+    assert ("hash_block_size" in scheduler_params) == facts.scheduler_hash_block_size
+    assert ("num_hash_lookahead_tokens" in hasher_params) == facts.block_hasher_lookahead
+    vllm_root = Path(vllm.__file__).parent.parent  # the module's file, found without importing it
+    assert (vllm_root / (facts.model_runner_v2_module.replace(".", "/") + ".py")).is_file()
+    if facts.kv_cache_setup == "utils_initialize_cache_rpc":
         assert hasattr(kv_cache_utils, "get_kv_cache_configs")
-    else:
-        assert "eos_token_id" not in request_params and "hash_block_size" in scheduler_params
+        assert not hasattr(kv_cache_utils, "resolve_kv_cache_block_sizes")
+    elif facts.kv_cache_setup == "utils_registered_specs":
+        assert hasattr(kv_cache_utils, "get_kv_cache_configs")
         assert hasattr(kv_cache_utils, "resolve_kv_cache_block_sizes")
-    if ADAPTERS.name == "vllm-0.33":
+        assert not hasattr(Executor, "set_kv_cache_layout")
+    else:
         from vllm.v1.core import kv_cache_planning
 
         assert {"global_kv_cache_groups"} <= set(
             inspect.signature(kv_cache_planning.get_kv_cache_configs).parameters
         )
         assert hasattr(Executor, "compile_or_warm_up_model") and hasattr(Executor, "set_kv_cache_layout")
-        params = inspect.signature(kv_cache_utils.get_request_block_hasher).parameters
-        assert "num_hash_lookahead_tokens" in params

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from job.data.source import list_input_files, read_records
-from job.data.split import owner_index
+from job.data.stream import owner_index
 from job.shards import iter_output, open_shard, read_manifest
 
 COUNT = 3

@@ -17,22 +17,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from job.hidden_dtype import HiddenDtype
 from job.model import ModelInfo
 from job.settings import JobSettings
 
 
 @dataclass(frozen=True, slots=True)
 class BackendInput:
-    key: int  # unique per run; results refer to it, never to positions
+    sample_id: str  # unique per run; results refer to it, never to positions
     input_ids: np.ndarray  # int32 [T]
 
 
 @dataclass(slots=True)
 class HiddenChunk:
-    key: int
+    sample_id: str
     start: int  # first token row of ``rows`` within the sample
-    rows: torch.Tensor  # [n, L, H] on the CPU, contiguous, in the storage dtype
-    scales: torch.Tensor | None  # fp8 storage: float32 [n, L]
+    rows: torch.Tensor  # [n, L, H] on the CPU, contiguous, in the stored dtype
+    scales: torch.Tensor | None  # FP8: float32 [n, L]
     last: bool  # the sample is complete with this chunk
     nonfinite: bool  # NaN/Inf seen in these rows
     release: Callable[[], None] | None = None  # frees the backend's buffer once written
@@ -55,23 +56,27 @@ class Backend(ABC):
         """Free devices and worker processes."""
 
 
-def create_backend(settings: JobSettings, model: ModelInfo, layer_ids: list[int], storage: str) -> Backend:
+def create_backend(
+    settings: JobSettings, model: ModelInfo, layer_ids: list[int], dtype: HiddenDtype
+) -> Backend:
     if settings.backend.name == "hf":
         from job.backends.hf import HFBackend
 
-        return HFBackend.load(model, layer_ids, settings.backend.device, storage)
+        return HFBackend.load(model, layer_ids, settings.backend.device, dtype)
     from job.backends.vllm import VllmBackend
 
-    return VllmBackend(settings, model, layer_ids, storage)
+    return VllmBackend(settings, model, layer_ids, dtype)
 
 
 def extract_all(backend: Backend, sequences: list[np.ndarray]) -> list[torch.Tensor]:
     """Convenience for tests and comparisons: full ``[T, L, H]`` per sequence."""
     out: list[list[HiddenChunk]] = [[] for _ in sequences]
-    inputs = (BackendInput(i, np.asarray(s, np.int32)) for i, s in enumerate(sequences))
+    inputs = (BackendInput(str(i), np.asarray(s, np.int32)) for i, s in enumerate(sequences))
     for chunk in backend.extract(inputs):
-        out[chunk.key].append(
-            HiddenChunk(chunk.key, chunk.start, chunk.rows.clone(), chunk.scales, chunk.last, chunk.nonfinite)
+        out[int(chunk.sample_id)].append(
+            HiddenChunk(
+                chunk.sample_id, chunk.start, chunk.rows.clone(), chunk.scales, chunk.last, chunk.nonfinite
+            )
         )
         if chunk.release is not None:
             chunk.release()

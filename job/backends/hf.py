@@ -13,9 +13,8 @@ from typing import Any
 import torch
 
 from job.backends import Backend, BackendInput, HiddenChunk
+from job.hidden_dtype import HiddenDtype, hidden_dtype
 from job.model import ModelInfo
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -29,9 +28,9 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 class HFBackend(Backend):
     name = "hf"
 
-    def __init__(self, model: torch.nn.Module, layer_ids: list[int], storage: str) -> None:
+    def __init__(self, model: torch.nn.Module, layer_ids: list[int], dtype: HiddenDtype) -> None:
         self.layer_ids = layer_ids
-        self.storage = storage
+        self.dtype = dtype
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self._captured: dict[int, torch.Tensor] = {}
@@ -43,14 +42,14 @@ class HFBackend(Backend):
                 layers[k - 1].register_forward_hook(self._capture_output(k))
 
     @classmethod
-    def load(cls, model: ModelInfo, layer_ids: list[int], device: str, storage: str) -> HFBackend:
+    def load(cls, model: ModelInfo, layer_ids: list[int], device: str, dtype: HiddenDtype) -> HFBackend:
         from transformers import AutoModelForCausalLM
 
         target = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         )
-        loaded = AutoModelForCausalLM.from_pretrained(model.path, dtype=_DTYPES[model.dtype])
-        return cls(loaded.to(target), layer_ids, storage)
+        loaded = AutoModelForCausalLM.from_pretrained(model.path, dtype=hidden_dtype(model.dtype).torch)
+        return cls(loaded.to(target), layer_ids, dtype)
 
     def _capture_input(self, _module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._captured[0] = args[0] if args else kwargs["hidden_states"]
@@ -69,8 +68,6 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def extract(self, inputs: Iterator[BackendInput | None]) -> Iterator[HiddenChunk]:
-        from job.quantize import to_storage
-
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         for item in inputs:
             if item is None:  # nothing pending here: just ask again
@@ -80,9 +77,9 @@ class HFBackend(Backend):
             decoder(input_ids=ids, use_cache=False)
             states = torch.stack([self._captured[k][0] for k in self.layer_ids], dim=1)
             nonfinite = not bool(torch.isfinite(states).all())
-            rows, scales = to_storage(states, self.storage)
+            rows, scales = self.dtype.encode(states)
             yield HiddenChunk(
-                item.key,
+                item.sample_id,
                 0,
                 rows.cpu().contiguous(),
                 None if scales is None else scales.cpu().contiguous(),

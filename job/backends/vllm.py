@@ -24,23 +24,13 @@ import numpy as np
 
 from adapters import select_adapter_set
 from adapters.requests import prefill_sampling_params
-from adapters.ring import Ring
 from job.backends import Backend, BackendInput, HiddenChunk
-from job.errors import ConfigError
+from job.data.source import MAX_SAMPLE_ID_BYTES
+from job.hidden_dtype import HiddenDtype
 from job.logs import get_logger
 from job.model import ModelInfo
 from job.settings import JobSettings
-
-CAPTURE_EXTENSION = "adapters.worker.extension.HiddenStateCaptureExtension"
-# Engine arguments the capture depends on; engine_args may not override them.
-PINNED_ENGINE_ARGS = {
-    "enable_prefix_caching": False,  # a cached prefix is not recomputed: its states would be missing
-    "enable_chunked_prefill": True,  # long samples span several steps; rows are accumulated per request
-    "enforce_eager": True,  # hooks do not run inside CUDA graphs
-    "skip_tokenizer_init": True,
-    "worker_extension_cls": CAPTURE_EXTENSION,
-}
-
+from job.worker.ring import Ring, header_bytes
 
 _EXHAUSTED = object()
 STEPS_IN_FLIGHT = 2
@@ -48,7 +38,6 @@ STEPS_IN_FLIGHT = 2
 
 @dataclass
 class _Pending:
-    key: int
     input_ids: np.ndarray
     received: int = 0
 
@@ -82,11 +71,11 @@ class _Releases:
 class VllmBackend(Backend):
     name = "vllm"
 
-    def __init__(self, settings: JobSettings, model: ModelInfo, layer_ids: list[int], storage: str) -> None:
+    def __init__(
+        self, settings: JobSettings, model: ModelInfo, layer_ids: list[int], dtype: HiddenDtype
+    ) -> None:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         import vllm
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.v1.executor.abstract import Executor
 
         self.log = get_logger(component="vllm_backend")
         options = settings.backend.vllm
@@ -95,16 +84,6 @@ class VllmBackend(Backend):
             self.vllm_version, options.adapter_set, options.allow_nearest_adapter
         )
         self.log.info("adapter_selected", vllm_version=self.vllm_version, adapter_set=self.adapters.name)
-        clashes = {
-            k: v
-            for k, v in options.engine_args.items()
-            if k in PINNED_ENGINE_ARGS and PINNED_ENGINE_ARGS[k] != v
-        }
-        if clashes:
-            raise ConfigError(
-                f"backend.vllm.engine_args: {sorted(clashes)} cannot be changed; hidden-state capture "
-                f"needs { ({k: PINNED_ENGINE_ARGS[k] for k in clashes}) }"
-            )
         engine_kwargs: dict[str, Any] = {
             "model": str(model.path),
             "tokenizer": str(model.path),
@@ -121,32 +100,25 @@ class VllmBackend(Backend):
             # the writer and committer threads share.
             "distributed_executor_backend": "mp",
             **options.engine_args,
-            **PINNED_ENGINE_ARGS,
         }
-        try:
-            vllm_config = EngineArgs(**engine_kwargs).create_engine_config()
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"backend.vllm: vLLM rejected the engine arguments: {exc}") from None
-        if vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise ConfigError(
-                "backend.vllm.engine_args: pipeline_parallel_size must be 1 (use tensor parallelism)"
-            )
+        vllm_config = self.adapters.engine_config(engine_kwargs)
         self.vllm_config = vllm_config
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.token_budget = vllm_config.scheduler_config.max_num_batched_tokens
-        self.executor = Executor.get_class(vllm_config)(vllm_config)
+        self.executor = self.adapters.start_executor(vllm_config)
         self.ring = Ring.create(
             None,
             slots=options.capture_slots,
             max_tokens=self.token_budget,
             num_layers=len(layer_ids),
             hidden_size=model.hidden_size,
-            storage=storage,
+            dtype_name=dtype.name,
+            header_bytes=header_bytes(self.max_num_seqs, MAX_SAMPLE_ID_BYTES),
         )
         self._closed = False
         try:
             infos = self.executor.collective_rpc(
-                "hs_install", args=(self.ring.spec.to_dict(), layer_ids, self.adapters.targets["capture"])
+                "hs_install", args=(self.ring.spec.to_dict(), layer_ids, self.adapters.name)
             )
             self.capture_info = next(i for i in infos if i["capturing"])
             self.log.info(
@@ -155,7 +127,7 @@ class VllmBackend(Backend):
                 tp_ranks=len(infos),
                 capturing_ranks=[i["tp_rank"] for i in infos if i["capturing"]],
             )
-            kv = self.adapters.kv_cache(self.executor, vllm_config)
+            kv = self.adapters.set_up_kv_cache(self.executor, vllm_config)
             self.scheduler = self.adapters.scheduler(
                 vllm_config, kv.config, kv.block_size, kv.hash_block_size
             )
@@ -217,13 +189,12 @@ class VllmBackend(Backend):
                     break
                 if item is None:  # nothing new right now (e.g. staging full): run what is pending
                     break
-                request_id = f"s{item.key}"
                 self.scheduler.add_request(
                     self.adapters.request(
-                        request_id, item.input_ids.tolist(), self.sampling_params, self.block_hasher
+                        item.sample_id, item.input_ids.tolist(), self.sampling_params, self.block_hasher
                     )
                 )
-                pending[request_id] = _Pending(item.key, item.input_ids)
+                pending[item.sample_id] = _Pending(item.input_ids)
                 unscheduled += len(item.input_ids)
             last_was_empty = bool(in_flight) and in_flight[-1][0].total_num_scheduled_tokens == 0
             if (
@@ -240,7 +211,7 @@ class VllmBackend(Backend):
                         f"vLLM scheduled nothing with {len(pending)} requests waiting; the KV cache is too "
                         "small for the longest sample: raise gpu_memory_utilization or lower data.max_length"
                     )
-                step = self.adapters.execution(self.executor, self.scheduler, scheduler_output)
+                step = self.adapters.submit_step(self.executor, self.scheduler, scheduler_output)
                 in_flight.append((scheduler_output, step))
                 self.stats["max_steps_in_flight"] = max(self.stats["max_steps_in_flight"], len(in_flight))
                 self._executed += scheduled > 0
@@ -291,8 +262,8 @@ class VllmBackend(Backend):
             input_ids = slot.input_ids.numpy()
             finite = slot.finite.numpy()
             offset = 0
-            for request_id, count in header["reqs"]:
-                state = pending[request_id]
+            for sample_id, count in header["reqs"]:
+                state = pending[sample_id]
                 start, stop = state.received, state.received + count
                 a, b = offset, offset + count
                 if not (
@@ -300,7 +271,7 @@ class VllmBackend(Backend):
                     and np.array_equal(input_ids[a:b], state.input_ids[start:stop])
                 ):
                     raise RuntimeError(
-                        f"capture misaligned for request {request_id} at step {step}: tokens {start}..{stop} "
+                        f"capture misaligned for sample {sample_id} at step {step}: tokens {start}..{stop} "
                         "do not match the step's input ids/positions"
                     )
                 state.received = stop
@@ -308,10 +279,10 @@ class VllmBackend(Backend):
                 if start == 0 and not last:
                     self.stats["chunked_requests"] += 1
                 if last:
-                    del pending[request_id]
+                    del pending[sample_id]
                 chunks.append(
                     HiddenChunk(
-                        key=state.key,
+                        sample_id=sample_id,
                         start=start,
                         rows=slot.rows[a:b],
                         scales=None if slot.scales is None else slot.scales[a:b],

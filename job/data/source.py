@@ -17,9 +17,14 @@ from typing import IO, Any
 
 from job.errors import ConfigError
 from job.settings import config_dir
+from job.storage import connect_transport, uri_scheme
+from job.storage.transport import ObjectInfo
 
 BUILTIN_EXAMPLES = "builtin:examples"
 DATA_SUFFIXES = (".jsonl", ".parquet")
+# A sample id names the sample everywhere (shard headers, manifests, vLLM request ids, the
+# capture ring's step headers, sized for it): longer ids are rejected.
+MAX_SAMPLE_ID_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -40,10 +45,8 @@ class Record:
 
 def list_input_files(path: str) -> list[InputFile]:
     """The data files under ``path`` in a stable (sorted) order."""
-    if path.startswith("s3://"):
-        from job.storage.s3 import list_s3_input_files
-
-        return list_s3_input_files(path)
+    if uri_scheme(path) is not None:
+        return _list_objects(path)
     root = config_dir() / "examples" if path == BUILTIN_EXAMPLES else Path(path).expanduser()
     if root.is_file():
         if root.suffix not in DATA_SUFFIXES:
@@ -67,6 +70,23 @@ def list_input_files(path: str) -> list[InputFile]:
             raise ConfigError(f"data.path: cannot read {p}: {exc.strerror}") from None
         files.append(InputFile(name, size, (lambda p=p: p.open("rb")), str(p)))
     return files
+
+
+def _list_objects(uri: str) -> list[InputFile]:
+    """The data objects at ``uri`` (one object, or every one under the prefix), sorted."""
+    transport, prefix = connect_transport(uri, "data.path")
+    found: list[tuple[str, ObjectInfo]] = []
+    if prefix.endswith(DATA_SUFFIXES) and (info := transport.head(prefix)) is not None:
+        found.append((prefix.rsplit("/", 1)[-1], info))
+    if not found:
+        base = f"{prefix}/" if prefix else ""
+        found = [(i.key[len(base) :], i) for i in transport.list(base) if i.key.endswith(DATA_SUFFIXES)]
+    if not found:
+        raise ConfigError(f"data.path: no .jsonl or .parquet objects at {uri}")
+    return [
+        InputFile(name, info.size, (lambda info=info: transport.open_reader(info)), transport.url(info.key))
+        for name, info in sorted(found, key=lambda item: item[0])
+    ]
 
 
 def data_fingerprint(files: list[InputFile]) -> str:

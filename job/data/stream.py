@@ -1,7 +1,7 @@
-"""Tokenize ahead of the backend, in the background, in input order.
+"""This work index's samples, tokenized ahead of the backend, in the background, in input order.
 
-A reader thread pulls raw records, keeps the ones this work index owns and
-has not written yet, and hands chunks to tokenizer processes (or tokenizes
+A reader thread pulls raw records, keeps the ones this work index owns (a hash of
+the sample id, ``owner_index``) and has not written yet, and hands chunks to tokenizer processes (or tokenizes
 itself when ``workers == 0``). Results wait in a bounded queue, so memory
 stays flat whatever the data set's size.
 """
@@ -9,6 +9,7 @@ stays flat whatever the data set's size.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import queue
 import threading
 from collections import deque
@@ -19,13 +20,22 @@ from multiprocessing import get_context
 from typing import Any
 
 from job.data.encode import EncodedSample, EncoderSpec, RejectedSample, SampleEncoder
-from job.data.source import Record
-from job.data.split import owner_index
+from job.data.source import MAX_SAMPLE_ID_BYTES, Record
 
 CHUNK = 32
 _DONE = object()
 
 _worker_encoder: SampleEncoder | None = None
+
+
+def owner_index(sample_id: str, count: int) -> int:
+    """The work index that owns ``sample_id`` among ``count`` indexes.
+
+    A hash of the id, not its position: adding or reordering input files does
+    not move samples that were already assigned.
+    """
+    digest = hashlib.blake2b(sample_id.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % count
 
 
 def _init_worker(spec: EncoderSpec) -> None:
@@ -82,6 +92,14 @@ class EncodedStream:
                 self._queue.get(timeout=0.1)
         self._thread.join()
 
+    def accepted(self, on_rejected: Callable[[str, str], None]) -> Iterator[EncodedSample]:
+        """The encoded samples; each rejected one goes to ``on_rejected(sample_id, reason)``."""
+        for item in self:
+            if isinstance(item, RejectedSample):
+                on_rejected(item.sample_id, item.reason)
+            else:
+                yield item
+
     def __iter__(self) -> Iterator[EncodedSample | RejectedSample]:
         while True:
             item = self._queue.get()
@@ -100,9 +118,18 @@ class EncodedStream:
             if self._count > 1 and owner_index(record.sample_id, self._count) != self._index:
                 continue
             stats.owned += 1
-            # Duplicates first: a later record with the id of an already committed sample
-            # is still a duplicate (rejected, as in the first run), not a second "done".
-            if record.sample_id in stats.seen_ids:
+            id_bytes = len(record.sample_id.encode("utf-8", "surrogatepass"))
+            if id_bytes > MAX_SAMPLE_ID_BYTES:
+                chunk.append(
+                    (
+                        record.sample_id,
+                        None,
+                        f"id is {id_bytes} bytes long; at most {MAX_SAMPLE_ID_BYTES} allowed",
+                    )
+                )
+            elif record.sample_id in stats.seen_ids:
+                # Checked before "done": a later record with the id of an already committed sample
+                # is still a duplicate (rejected, as in the first run), not a second "done".
                 stats.duplicates += 1
                 chunk.append(
                     (record.sample_id, None, "duplicate sample id: an earlier record has the same id")

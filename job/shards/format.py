@@ -17,8 +17,9 @@ sit at block-aligned offsets whenever a row is a multiple of 4 KiB (e.g. 4
 layers x 4096 x bf16 = 32 KiB): they can then be written with direct I/O.
 The smaller tensors follow in decreasing item size, each naturally aligned.
 
-With ``storage: fp8_e4m3`` hidden_states is F8_E4M3 and ``hidden_states_scale``
-(float32 [T, L]) holds per-token, per-layer scales: value = fp8 * scale.
+With ``output.hidden_dtype: fp8_e4m3`` (metadata ``storage: fp8_e4m3``) hidden_states
+is F8_E4M3 and ``hidden_states_scale`` (float32 [T, L]) holds per-token, per-layer
+scales: value = fp8 * scale.
 
 ``__metadata__`` (all strings, JSON where structured): format_version,
 sample_ids, layer_ids, layer_convention, final_layer_prenorm, model_path,
@@ -32,30 +33,27 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from typing import IO
+
+from job.hidden_dtype import SCALE_BYTES, HiddenDtype
 
 FORMAT_VERSION = "1"
 DATA_ALIGNMENT = 4096  # the tensor data (hidden_states first) starts on a block boundary
-SUFFIX = ".safetensors"
-
-SAFETENSORS_DTYPES = {
-    "bfloat16": ("BF16", 2),
-    "float16": ("F16", 2),
-    "float32": ("F32", 4),
-    "fp8_e4m3": ("F8_E4M3", 1),
-}
+# The safetensors header limit (100 MB): a longer length prefix is not a shard.
+_MAX_HEADER_BYTES = 100_000_000
 
 
-def shard_name(number: int) -> str:
-    return f"shard-{number:05d}{SUFFIX}"
-
-
-def shard_number(name: str) -> int | None:
-    """The number in ``shard-NNNNN.safetensors`` (also for temporary names), else None."""
-    base = name.rsplit("/", 1)[-1]
-    if not base.startswith("shard-"):
-        return None
-    digits = base[len("shard-") :].split(".", 1)[0]
-    return int(digits) if digits.isdigit() else None
+def read_metadata(stream: IO[bytes], where: str) -> dict[str, str]:
+    """The ``__metadata__`` of a shard from the start of its bytes (a remote shard's header is
+    all that needs reading). ValueError if the bytes are not a safetensors file."""
+    prefix = stream.read(8)
+    if len(prefix) != 8 or not 0 < (length := struct.unpack("<Q", prefix)[0]) <= _MAX_HEADER_BYTES:
+        raise ValueError(f"{where}: not a safetensors file (no header)")
+    try:
+        header = json.loads(stream.read(length))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where}: not a safetensors file (header: {exc})") from None
+    return header.get("__metadata__") or {}
 
 
 @dataclass(frozen=True)
@@ -89,20 +87,21 @@ class ShardLayout:
         num_tokens: int,
         num_layers: int,
         hidden_size: int,
-        storage_dtype: str,
+        dtype: HiddenDtype,
         metadata: dict[str, str],
     ) -> ShardLayout:
-        hs_dtype, hs_size = SAFETENSORS_DTYPES[storage_dtype]
-        if (num_layers * hidden_size * hs_size) % 8:
+        if (num_layers * hidden_size * dtype.itemsize) % 8:
             raise ValueError(
                 f"{num_layers} layers x hidden size {hidden_size}: rows are not 8-byte multiples"
             )
         specs = [
-            TensorSpec("hidden_states", hs_dtype, (num_tokens, num_layers, hidden_size), hs_size),
+            TensorSpec(
+                "hidden_states", dtype.safetensors, (num_tokens, num_layers, hidden_size), dtype.itemsize
+            ),
             TensorSpec("sample_offsets", "I64", (num_samples + 1,), 8),
         ]
-        if storage_dtype == "fp8_e4m3":
-            specs.append(TensorSpec("hidden_states_scale", "F32", (num_tokens, num_layers), 4))
+        if dtype.scaled:
+            specs.append(TensorSpec("hidden_states_scale", "F32", (num_tokens, num_layers), SCALE_BYTES))
         specs += [
             TensorSpec("input_ids", "I32", (num_tokens,), 4),
             TensorSpec("loss_mask", "U8", (num_tokens,), 1),

@@ -1,10 +1,9 @@
-"""Plan shards ahead of extraction and fill them as hidden states arrive.
+"""Fill planned shards as hidden states arrive.
 
-Token counts are known once a sample is tokenized, so a shard's members, and
-therefore its whole safetensors header, are fixed before the backend sees
-them. Hidden-state rows are then written straight to their final offsets in
-whatever order (and from whichever thread) they arrive: no per-shard
-buffering in memory, no second copy.
+A shard's members, and therefore its whole safetensors header, are fixed by its
+plan (``job.shards.planner``) before the backend sees them. Hidden-state rows are
+then written straight to their final offsets in whatever order (and from whichever
+thread) they arrive: no per-shard buffering in memory, no second copy.
 
 How rows reach the file:
 
@@ -31,7 +30,7 @@ import json
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +40,10 @@ import psutil
 from awscrt.checksums import crc64nvme
 
 from job.checksum import combine_pieces
-from job.data.encode import EncodedSample
-from job.shards.format import DATA_ALIGNMENT, FORMAT_VERSION, SAFETENSORS_DTYPES, ShardLayout, shard_name
+from job.hidden_dtype import SCALE_BYTES, HiddenDtype
+from job.shards.format import DATA_ALIGNMENT, FORMAT_VERSION, ShardLayout
+from job.shards.planner import ShardPlan
+from job.storage.staging import StagedShard
 
 # Reserving a shard's blocks up front turns "disk full" into an error instead of
 # SIGBUS on a page fault of the mapping. It runs beside the first row writes (on
@@ -51,64 +52,20 @@ _ALLOCATOR = ThreadPoolExecutor(1, thread_name_prefix="shard-allocate")
 
 
 @dataclass
-class ShardPlan:
-    number: int
-    samples: list[EncodedSample]
-
-    @property
-    def name(self) -> str:
-        return shard_name(self.number)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.samples)
-
-
-class ShardPlanner:
-    """Groups samples, in input order, into shards of about ``shard_bytes``."""
-
-    def __init__(self, shard_bytes: int, bytes_per_token: int, first_number: int) -> None:
-        self.shard_bytes = shard_bytes
-        self.bytes_per_token = bytes_per_token
-        self.next_number = first_number
-        self._pending: list[EncodedSample] = []
-        self._pending_bytes = 0
-
-    def add(self, sample: EncodedSample) -> Iterator[ShardPlan]:
-        size = sample.num_tokens * self.bytes_per_token
-        if self._pending and self._pending_bytes + size > self.shard_bytes:
-            yield self._emit()
-        self._pending.append(sample)
-        self._pending_bytes += size
-        if self._pending_bytes >= self.shard_bytes:
-            yield self._emit()
-
-    def flush(self) -> Iterator[ShardPlan]:
-        if self._pending:
-            yield self._emit()
-
-    def _emit(self) -> ShardPlan:
-        plan = ShardPlan(self.next_number, self._pending)
-        self.next_number += 1
-        self._pending, self._pending_bytes = [], 0
-        return plan
-
-
-@dataclass
 class ShardContext:
     """Per-run values recorded in every shard's metadata."""
 
     num_layers: int  # stored layers (L)
     hidden_size: int
-    storage_dtype: str  # bfloat16 | float16 | float32 | fp8_e4m3
+    dtype: HiddenDtype
     metadata: dict[str, str]
 
 
 @dataclass
 class FinishedShard:
     plan: ShardPlan
-    path: Path
-    failed: dict[int, str]  # sample position -> reason (e.g. non-finite values)
+    staged: StagedShard
+    failed: dict[str, str]  # sample id -> reason (e.g. non-finite values)
     checksum: str  # CRC64NVME of the whole file (base64, as S3 reports it)
     direct_bytes: int  # bytes written with direct I/O
 
@@ -116,7 +73,7 @@ class FinishedShard:
 @dataclass
 class _OpenShard:
     plan: ShardPlan
-    path: Path
+    staged: StagedShard
     fd: int
     direct_fd: int | None  # O_DIRECT descriptor, where the filesystem and row size allow
     mapping: mmap.mmap
@@ -126,7 +83,7 @@ class _OpenShard:
     row_offsets: np.ndarray
     row_bytes: int
     remaining: int  # samples not yet finished
-    failed: dict[int, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (offset, length, crc) per write
     direct_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -156,28 +113,22 @@ class _OpenShard:
 
 
 class ShardWriter:
-    """Receives hidden-state rows by sample key and writes them in place."""
+    """Receives hidden-state rows by sample id and writes them in place."""
 
     def __init__(
-        self,
-        context: ShardContext,
-        staging_path: Callable[[str], Path],
-        on_finished: Callable[[FinishedShard], None],
-        *,
-        direct_io: bool,
+        self, context: ShardContext, on_finished: Callable[[FinishedShard], None], *, direct_io: bool
     ) -> None:
         self.context = context
         self.direct_io = direct_io  # False: staging is transient, keep it in the page cache
-        self._staging_path = staging_path
         self._on_finished = on_finished
-        self._by_key: dict[int, tuple[_OpenShard, int]] = {}
+        self._by_sample: dict[str, tuple[_OpenShard, int]] = {}
         self._open: dict[int, _OpenShard] = {}
         self._lock = threading.Lock()
 
     @property
     def row_bytes(self) -> int:
-        itemsize = SAFETENSORS_DTYPES[self.context.storage_dtype][1]
-        return self.context.num_layers * self.context.hidden_size * itemsize
+        ctx = self.context
+        return ctx.num_layers * ctx.hidden_size * ctx.dtype.itemsize
 
     def layout(self, plan: ShardPlan) -> ShardLayout:
         """The byte layout of ``plan``'s shard file (``total_bytes`` is its exact size)."""
@@ -189,15 +140,16 @@ class ShardWriter:
             num_truncated=str(sum(s.truncated for s in plan.samples)),
         )
         return ShardLayout.build(
-            len(plan.samples), plan.num_tokens, ctx.num_layers, ctx.hidden_size, ctx.storage_dtype, metadata
+            len(plan.samples), plan.num_tokens, ctx.num_layers, ctx.hidden_size, ctx.dtype, metadata
         )
 
-    def open(self, plan: ShardPlan, first_key: int) -> list[int]:
-        """Create the shard file for ``plan``; returns the keys of its samples."""
+    def open(self, plan: ShardPlan, staged: StagedShard) -> None:
+        """Create ``plan``'s shard file at ``staged.path``: its header, ids and masks now, rows as
+        they come."""
         offsets = np.zeros(len(plan.samples) + 1, np.int64)
         np.cumsum([s.num_tokens for s in plan.samples], out=offsets[1:])
         layout = self.layout(plan)
-        path = self._staging_path(plan.name)
+        path = staged.path
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, layout.total_bytes)
@@ -211,7 +163,7 @@ class ShardWriter:
         direct_fd = _open_direct(path) if self.direct_io and self.row_bytes % DATA_ALIGNMENT == 0 else None
         shard = _OpenShard(
             plan,
-            path,
+            staged,
             fd,
             direct_fd,
             mapping,
@@ -233,34 +185,32 @@ class ShardWriter:
             shard.close()
             path.unlink(missing_ok=True)
             raise
-        keys = list(range(first_key, first_key + len(plan.samples)))
         with self._lock:
             self._open[plan.number] = shard
-            for pos, key in enumerate(keys):
-                self._by_key[key] = (shard, pos)
-        return keys
+            for pos, sample in enumerate(plan.samples):
+                self._by_sample[sample.sample_id] = (shard, pos)
 
-    def write_rows(self, key: int, start: int, rows: memoryview | bytes, scales: bytes | None = None) -> None:
-        """Write hidden-state rows ``start..`` of sample ``key`` (raw storage-dtype bytes)."""
-        shard, pos = self._by_key[key]
+    def write_rows(
+        self, sample_id: str, start: int, rows: memoryview | bytes, scales: bytes | None = None
+    ) -> None:
+        """Write hidden-state rows ``start..`` of a sample (raw stored-dtype bytes)."""
+        shard, pos = self._by_sample[sample_id]
         first_row = int(shard.row_offsets[pos]) + start
-        count = len(rows) // shard.row_bytes
+        count = memoryview(rows).nbytes // shard.row_bytes
         if start + count > shard.plan.samples[pos].num_tokens:
-            raise ValueError(
-                f"rows {start}..{start + count} exceed sample {shard.plan.samples[pos].sample_id}"
-            )
+            raise ValueError(f"rows {start}..{start + count} exceed sample {sample_id}")
         shard.put(shard.layout.offsets["hidden_states"] + first_row * shard.row_bytes, rows)
         if scales is not None:
-            scale_row = self.context.num_layers * 4
+            scale_row = self.context.num_layers * SCALE_BYTES
             shard.put(shard.layout.offsets["hidden_states_scale"] + first_row * scale_row, scales)
 
-    def finish_sample(self, key: int, failure: str | None = None) -> None:
-        """All rows of sample ``key`` are written (or it failed with ``failure``)."""
+    def finish_sample(self, sample_id: str, failure: str | None = None) -> None:
+        """All rows of a sample are written (or it failed with ``failure``)."""
         with self._lock:
-            shard, pos = self._by_key.pop(key)
+            shard, _pos = self._by_sample.pop(sample_id)
         with shard.lock:
             if failure is not None:
-                shard.failed[pos] = failure
+                shard.failed[sample_id] = failure
             shard.remaining -= 1
             done = shard.remaining == 0
         if done:
@@ -270,21 +220,22 @@ class ShardWriter:
                 shard.allocated.result()
             finally:
                 shard.close()
-            checksum = combine_pieces(shard.pieces, shard.layout.total_bytes, shard.path.name)
+            checksum = combine_pieces(shard.pieces, shard.layout.total_bytes, shard.staged.path.name)
             self._on_finished(
-                FinishedShard(shard.plan, shard.path, shard.failed, checksum, shard.direct_bytes)
+                FinishedShard(shard.plan, shard.staged, shard.failed, checksum, shard.direct_bytes)
             )
 
     def abandon_open(self) -> list[ShardPlan]:
-        """Drop every unfinished shard (its samples will be redone by a later run)."""
+        """Drop every unfinished shard and its staging space (its samples will be redone by a
+        later run)."""
         with self._lock:
             shards = list(self._open.values())
             self._open.clear()
-            self._by_key.clear()
+            self._by_sample.clear()
         for shard in shards:
             shard.allocated.exception()  # wait; its error no longer matters
             shard.close()
-            shard.path.unlink(missing_ok=True)
+            shard.staged.discard()
         return [s.plan for s in shards]
 
 

@@ -1,23 +1,22 @@
-"""The storage seam: one work index's slice of the output.
+"""The storage seam, both ways.
 
-Layout under ``output.uri`` (pinned): ``index-{i:05d}/shard-{k:05d}.safetensors``,
-``index-{i:05d}/manifest.json``, ``index-{i:05d}/rejected.jsonl``,
-``index-{i:05d}/logs/{run_id}.jsonl``.
+Write side: ``IndexStore``, one work index's slice of the output (layout names in
+``job.layout``). Read side: ``ShardSource``, the committed shards of an output for
+``export`` and readers. Stores deal in bytes and files; what a shard holds is the
+``job.shards`` package's business.
 """
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
-MANIFEST = "manifest.json"
-REJECTED = "rejected.jsonl"
-LOGS = "logs"
-
-
-def index_dir_name(index: int) -> str:
-    return f"index-{index:05d}"
+from job.manifest import Manifest, ShardEntry
+from job.storage.staging import StagedShard, StagingArea
 
 
 @dataclass(frozen=True)
@@ -28,15 +27,22 @@ class CommittedShard:
 
 
 class IndexStore(ABC):
-    """One index's output. Implementations must make ``commit_shard`` and
-    ``write_manifest`` atomic: an object is either complete or absent."""
+    """One index's output. ``commit_shard`` and ``write_manifest`` are atomic: an object is
+    either complete or absent."""
 
     index: int
     location: str  # human-readable, for messages (never holds credentials)
+    staging: StagingArea
     # True where the staged shard file becomes the output itself (a local directory):
     # rows may go to it with direct I/O, and commit_shard makes it durable. False where
     # staging is transient (uploaded, then deleted): the page cache serves it best.
     staging_is_output: bool = True
+
+    def __enter__(self) -> IndexStore:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
 
     @abstractmethod
     def list_names(self) -> list[str]:
@@ -50,13 +56,15 @@ class IndexStore(ABC):
     def write_manifest(self, data: bytes, version: str | None) -> str | None:
         """Replace the manifest if it is still at ``version``; return the new version."""
 
-    @abstractmethod
-    def shard_staging_path(self, name: str) -> Path:
-        """Local path where the writer builds shard ``name`` before commit."""
+    def stage_shard(self, name: str, nbytes: int, timeout_s: float | None = None) -> StagedShard | None:
+        """Local space and a path for shard ``name`` (``nbytes`` exactly), waiting at most
+        ``timeout_s`` for space; None if there is none by then."""
+        return self.staging.reserve(name, nbytes, timeout_s)
 
     @abstractmethod
-    def commit_shard(self, path: Path, name: str, checksum: str) -> CommittedShard:
-        """Publish a finished shard under ``name`` (never overwriting one), durably."""
+    def commit_shard(self, staged: StagedShard, checksum: str) -> CommittedShard:
+        """Publish a finished shard (never overwriting one), durably; the staged shard is
+        discarded (its space given back) whether or not this succeeds."""
 
     @abstractmethod
     def discard(self, name: str) -> None:
@@ -70,18 +78,41 @@ class IndexStore(ABC):
     def local_path(self, name: str) -> Path:
         """A local, writable path for a small file that will be published with put_file."""
 
-    def reserve_staging(self, name: str, nbytes: int, timeout_s: float | None = None) -> bool:
-        """Reserve ``nbytes`` of local staging space for shard ``name``, waiting at most
-        ``timeout_s`` (None: as long as it takes); False if it is not free by then. Only
-        bounded stores ever wait. ``commit_shard(..., name, ...)`` gives the space back; so
-        does ``release_staging``."""
-        return True
-
-    def release_staging(self, name: str) -> None:  # noqa: B027 - optional hook
-        """Give back the staging space of shard ``name``, which will not be committed."""
-
     def drain(self) -> None:  # noqa: B027 - optional hook
         """Wait for background work (uploads) to finish."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release locks and background resources."""
+
+
+@dataclass(frozen=True)
+class SourceIndex:
+    name: str  # index-00000, or the directory's name when the source is one index directory
+    manifest: Manifest | None  # None: the index has committed nothing
+    manifest_sha256: str | None
+
+    @classmethod
+    def parse(cls, name: str, data: bytes | None, where: str) -> SourceIndex:
+        if data is None:
+            return cls(name, None, None)
+        return cls(name, Manifest.from_bytes(data, where), hashlib.sha256(data).hexdigest())
+
+
+class ShardSource(ABC):
+    """Where readers (``export``) find committed shards: a local output or an object-store prefix."""
+
+    location: str
+    single_index: bool  # the source is one index directory rather than an output directory
+
+    @abstractmethod
+    def indexes(self) -> list[SourceIndex]:
+        """Every index present, in index order."""
+
+    @abstractmethod
+    def open_stream(self, index: str, entry: ShardEntry) -> IO[bytes]:
+        """A seekable reader of shard ``entry`` as stored (enough to read its header)."""
+
+    @abstractmethod
+    def fetch(self, index: str, entry: ShardEntry) -> AbstractContextManager[Path]:
+        """A local file holding shard ``entry``, checked against the manifest's checksum where the
+        source verifies, for as long as the context lasts."""

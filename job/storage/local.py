@@ -1,16 +1,24 @@
-"""Local directory output (a path or file:// URI)."""
+"""A local directory (a path or file:// URI): output store and shard source."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from job.errors import ConfigError
-from job.storage.base import MANIFEST, CommittedShard, IndexStore, index_dir_name
+from job.checksum import crc64nvme_file
+from job.errors import ConfigError, JobError
+from job.layout import MANIFEST, PARTIAL, index_dir_name
+from job.manifest import ShardEntry
+from job.storage.base import CommittedShard, IndexStore, ShardSource, SourceIndex
+from job.storage.staging import StagedShard, StagingArea
 
-PARTIAL = ".partial"
+
+def local_root(uri: str) -> Path:
+    return Path(uri.removeprefix("file://")).expanduser()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -22,16 +30,18 @@ def _fsync_dir(path: Path) -> None:
 
 
 class LocalIndexStore(IndexStore):
+    """Shards are built in the index directory under a temporary name and renamed on commit."""
+
     def __init__(self, directory: Path, index: int, lock: IO[str]) -> None:
         self.index = index
         self.directory = directory
         self.location = str(directory)
+        self.staging = StagingArea(directory, limit=None)
         self._lock = lock
 
     @classmethod
     def open(cls, uri: str, index: int) -> LocalIndexStore:
-        root = Path(uri.removeprefix("file://")).expanduser()
-        directory = root / index_dir_name(index)
+        directory = local_root(uri) / index_dir_name(index)
         try:
             directory.mkdir(parents=True, exist_ok=True)
             probe = directory / ".write-test"
@@ -66,18 +76,18 @@ class LocalIndexStore(IndexStore):
         self._write_atomic(self.directory / MANIFEST, data)
         return None
 
-    def shard_staging_path(self, name: str) -> Path:
-        return self.directory / (name + PARTIAL)
-
-    def commit_shard(self, path: Path, name: str, checksum: str) -> CommittedShard:
-        final = self.directory / name
-        if final.exists():
-            raise FileExistsError(f"{final} exists; shards are never overwritten")
-        with path.open("rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(path, final)
-        _fsync_dir(self.directory)
-        return CommittedShard(name, final.stat().st_size, checksum)
+    def commit_shard(self, staged: StagedShard, checksum: str) -> CommittedShard:
+        try:
+            final = self.directory / staged.name
+            if final.exists():
+                raise FileExistsError(f"{final} exists; shards are never overwritten")
+            with staged.path.open("rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(staged.path, final)
+            _fsync_dir(self.directory)
+            return CommittedShard(staged.name, final.stat().st_size, checksum)
+        finally:
+            staged.discard()
 
     def discard(self, name: str) -> None:
         (self.directory / name).unlink(missing_ok=True)
@@ -106,3 +116,40 @@ class LocalIndexStore(IndexStore):
             os.fsync(f.fileno())
         os.replace(tmp, target)
         _fsync_dir(target.parent)
+
+
+class LocalShardSource(ShardSource):
+    def __init__(self, root: Path, verify: bool, setting: str) -> None:
+        if not root.is_dir():
+            raise ConfigError(f"{setting} {root}: not a directory (give an output directory or one index-*)")
+        self.location = str(root)
+        self.verify = verify
+        dirs = sorted(d for d in root.glob("index-*") if d.is_dir())
+        self.single_index = not dirs and (root / MANIFEST).is_file()
+        self._dirs = {root.name: root} if self.single_index else {d.name: d for d in dirs}
+
+    def indexes(self) -> list[SourceIndex]:
+        found = []
+        for name, directory in self._dirs.items():
+            path = directory / MANIFEST
+            found.append(SourceIndex.parse(name, path.read_bytes() if path.is_file() else None, str(path)))
+        return found
+
+    def _listed(self, index: str, entry: ShardEntry) -> Path:
+        path = self._dirs[index] / entry.name
+        if not path.is_file():
+            raise JobError(f"{path}: listed in {index}/{MANIFEST} but missing")
+        return path
+
+    def open_stream(self, index: str, entry: ShardEntry) -> IO[bytes]:
+        return self._listed(index, entry).open("rb")
+
+    @contextmanager
+    def fetch(self, index: str, entry: ShardEntry) -> Iterator[Path]:
+        path = self._listed(index, entry)
+        if self.verify and (actual := crc64nvme_file(path)) != entry.checksum.value:
+            raise JobError(
+                f"{path}: checksum {actual} differs from the manifest's {entry.checksum.value}; "
+                "the shard is damaged: re-run that index into a new output"
+            )
+        yield path

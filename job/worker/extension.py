@@ -6,19 +6,19 @@ carry an ``hs_`` prefix: vLLM refuses extensions that shadow Worker attributes.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 
 class HiddenStateCaptureExtension:
-    def hs_install(
-        self, ring_spec: dict[str, Any], layer_ids: list[int], capture_target: str
-    ) -> dict[str, Any]:
+    def hs_install(self, ring_spec: dict[str, Any], layer_ids: list[int], adapter_set: str) -> dict[str, Any]:
         """Install capture on TP rank 0 (the residual stream is replicated after
-        every layer's all-reduce, so one rank has all of it); other ranks idle."""
+        every layer's all-reduce, so one rank has all of it); other ranks idle.
+        ``adapter_set`` is the driver's choice, by name."""
         from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
-        from adapters.ring import RingSpec
+        from adapters import adapter_set_named
+        from job.worker.capture import DecoderLayerCapture
+        from job.worker.ring import RingSpec
 
         tp_rank = get_tensor_model_parallel_rank()
         info: dict[str, Any] = {"tp_rank": tp_rank, "capturing": False}
@@ -26,9 +26,9 @@ class HiddenStateCaptureExtension:
             raise RuntimeError("hidden-state capture supports pipeline_parallel_size 1 only")
         if tp_rank != 0:
             return info
-        module_name, _, attr = capture_target.partition(":")
-        capture_cls = getattr(importlib.import_module(module_name), attr)
-        capture = capture_cls.install(self, RingSpec(**ring_spec), layer_ids)
+        capture = DecoderLayerCapture.install(
+            self, RingSpec(**ring_spec), layer_ids, adapter_set_named(adapter_set)
+        )
         self._hs_capture = capture
         info.update(capturing=True, **capture.describe())
         return info

@@ -1,7 +1,7 @@
 """Shared-memory ring between the TP rank-0 worker (writer) and the driver (reader).
 
 One slot holds one scheduler step: hidden states ``[tokens, L, H]`` in the
-storage dtype (plus FP8 scales), the step's input ids and positions (to verify
+stored dtype (plus FP8 scales), the step's input ids and positions (to verify
 alignment), a per-token finite flag, and a JSON header naming the requests in
 batch order. Large tensors never travel through RPC or pickling: the worker
 copies device -> (pinned) shared memory, the driver writes from that memory
@@ -26,19 +26,21 @@ from typing import Any
 
 import torch
 
+from job.hidden_dtype import SCALE_BYTES, HiddenDtype, hidden_dtype
+
 _CONTROL_BYTES = 4096
 _PUBLISHED, _RELEASED, _ERROR = 0, 64, 128
-_HEADER_BYTES = 256 * 1024
-_STORAGE = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "fp8_e4m3": torch.float8_e4m3fn,
-}
+# A step header names its requests in batch order: JSON [request id, tokens] pairs.
+_HEADER_BYTES_PER_REQUEST = 64
 
 
 def _align(n: int, to: int = 4096) -> int:
     return (n + to - 1) // to * to
+
+
+def header_bytes(max_requests: int, max_request_id_bytes: int) -> int:
+    """Room for one step's header: every request's id (JSON-escaped, up to 6 bytes a byte) and count."""
+    return 4096 + max_requests * (_HEADER_BYTES_PER_REQUEST + 6 * max_request_id_bytes)
 
 
 @dataclass(frozen=True)
@@ -48,20 +50,21 @@ class RingSpec:
     max_tokens: int
     num_layers: int
     hidden_size: int
-    storage: str  # bfloat16 | float16 | float32 | fp8_e4m3
+    dtype_name: str  # a HiddenDtype's name: how rows are stored
+    header_bytes: int
 
     @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=_STORAGE[self.storage]).element_size()
+    def dtype(self) -> HiddenDtype:
+        return hidden_dtype(self.dtype_name)
 
     @property
     def fields(self) -> dict[str, tuple[int, int]]:
         """name -> (offset within a slot, size in bytes)."""
-        t, layers = self.max_tokens, self.num_layers
+        t, layers, dtype = self.max_tokens, self.num_layers, self.dtype
         sizes = [
-            ("header", _HEADER_BYTES),
-            ("rows", t * layers * self.hidden_size * self.itemsize),
-            ("scales", t * layers * 4 if self.storage == "fp8_e4m3" else 0),
+            ("header", self.header_bytes),
+            ("rows", t * layers * self.hidden_size * dtype.itemsize),
+            ("scales", t * layers * SCALE_BYTES if dtype.scaled else 0),
             ("input_ids", t * 4),
             ("positions", t * 4),
             ("finite", t),
@@ -87,7 +90,7 @@ class RingSpec:
 
 @dataclass
 class SlotViews:
-    rows: torch.Tensor  # [max_tokens, L, H] storage dtype
+    rows: torch.Tensor  # [max_tokens, L, H] in the stored dtype
     scales: torch.Tensor | None  # [max_tokens, L] float32
     input_ids: torch.Tensor  # [max_tokens] int32
     positions: torch.Tensor  # [max_tokens] int32
@@ -130,7 +133,7 @@ class Ring:
         header_offset, header_size = spec.fields["header"]
         return SlotViews(
             rows=field("rows")
-            .view(_STORAGE[spec.storage])
+            .view(spec.dtype.torch)
             .view(spec.max_tokens, spec.num_layers, spec.hidden_size),
             scales=scales.view(torch.float32).view(spec.max_tokens, spec.num_layers)
             if scales.numel()

@@ -7,7 +7,7 @@ Id k > 0 is taken at the output of layer k-1, id 0 at the input of layer 0
 architecture computes (MLA, MoE, extra arguments) runs untouched.
 
 Per step: hooks write into a device buffer ``[tokens, L, H]``; after the
-forward, a side stream converts it to the storage dtype and copies it, with
+forward, a side stream converts it to the stored dtype and copies it, with
 the step's input ids, positions and finite flags, into the next free ring
 slot (pinned shared memory); a publisher thread makes the slot visible to the
 driver once the copy has landed. On CUDA, steps alternate between two device
@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from adapters.ring import Ring, RingSpec
-from job.quantize import to_storage
+from adapters import AdapterSet
+from job.hidden_dtype import HiddenDtype
+from job.worker.ring import Ring, RingSpec
 
 SLOT_WAIT_S = 1800.0
 
@@ -43,29 +44,18 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     raise TypeError(f"{type(model).__name__}: no decoder layer list at .model.layers")
 
 
-def batch_order(model_runner: Any, scheduler_output: Any) -> list[tuple[str, int]]:
-    """(request id, tokens) in the order the runner laid the step's tokens out."""
-    state = getattr(model_runner, "execute_model_state", None)
-    batch = getattr(state, "input_batch", None)
-    if batch is not None and hasattr(batch, "idx_mapping_np"):
-        # Model Runner V2 (vllm.v1.worker.gpu): the batch sorts requests itself.
-        return [(rid, int(n)) for rid, n in zip(batch.req_ids, batch.num_scheduled_tokens, strict=True)]
-    # Model Runner V1: the persistent input batch's order.
-    counts = scheduler_output.num_scheduled_tokens
-    return [(rid, counts[rid]) for rid in model_runner.input_batch.req_ids]
-
-
 def _argument(fn: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     bound = inspect.signature(fn).bind_partial(*args, **kwargs)
     return bound.arguments.get(name)
 
 
 class DecoderLayerCapture:
-    def __init__(self, worker: Any, ring: Ring, layer_ids: list[int]) -> None:
+    def __init__(self, worker: Any, ring: Ring, layer_ids: list[int], adapters: AdapterSet) -> None:
         self.worker = worker
         self.ring = ring
         self.spec = ring.spec
         self.layer_ids = layer_ids
+        self.adapters = adapters
         model = worker.model_runner.get_model()
         self.layers = decoder_layers(model)
         for k in layer_ids:
@@ -102,8 +92,10 @@ class DecoderLayerCapture:
         worker.execute_model = self._execute_model
 
     @classmethod
-    def install(cls, worker: Any, spec: RingSpec, layer_ids: list[int]) -> DecoderLayerCapture:
-        return cls(worker, Ring(spec, create=False), layer_ids)
+    def install(
+        cls, worker: Any, spec: RingSpec, layer_ids: list[int], adapters: AdapterSet
+    ) -> DecoderLayerCapture:
+        return cls(worker, Ring(spec, create=False), layer_ids, adapters)
 
     def describe(self) -> dict[str, Any]:
         runner = type(self.worker.model_runner)
@@ -168,7 +160,7 @@ class DecoderLayerCapture:
             output = self._original_execute_model(scheduler_output, *args, **kwargs)
         finally:
             self.active = False
-        self._ship(batch_order(self.worker.model_runner, scheduler_output))
+        self._ship(self.adapters.step_token_order(self.worker.model_runner, scheduler_output))
         return output
 
     def _ship(self, order: list[tuple[str, int]]) -> None:
@@ -183,7 +175,7 @@ class DecoderLayerCapture:
         header = {"step": step, "num_tokens": n, "reqs": order}
         if not self.on_cuda:
             _fill_slot(
-                slot, buffers.states[:n], buffers.input_ids[:n], buffers.positions[:n], self.spec.storage
+                slot, buffers.states[:n], buffers.input_ids[:n], buffers.positions[:n], self.spec.dtype
             )
             self.ring.publish(step, header)
         else:
@@ -193,7 +185,7 @@ class DecoderLayerCapture:
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(ready)
                 keep = _fill_slot(
-                    slot, buffers.states[:n], buffers.input_ids[:n], buffers.positions[:n], self.spec.storage
+                    slot, buffers.states[:n], buffers.input_ids[:n], buffers.positions[:n], self.spec.dtype
                 )
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
@@ -236,13 +228,13 @@ def model_dtype(worker: Any, param: torch.Tensor) -> torch.dtype:
 
 
 def _fill_slot(
-    slot: Any, states: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, storage: str
+    slot: Any, states: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, dtype: HiddenDtype
 ) -> tuple[torch.Tensor, ...]:
     """Copy one step into a ring slot (asynchronously on CUDA); returns the
     device temporaries that must outlive the copy."""
     n = states.shape[0]
     finite = torch.isfinite(states).flatten(1).all(dim=1).to(torch.uint8)
-    rows, scales = to_storage(states, storage)
+    rows, scales = dtype.encode(states)
     slot.rows[:n].copy_(rows, non_blocking=True)
     if scales is not None:
         slot.scales[:n].copy_(scales, non_blocking=True)

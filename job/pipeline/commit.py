@@ -1,26 +1,29 @@
 """Commit finished shards in the background, then record them in the manifest.
 
-Order per shard: (repack without failed samples) -> ``store.commit_shard``
-(fsync + rename / verified upload) -> manifest rewrite. The checksum comes
-with the finished shard (combined from its writes). A crash
-anywhere before the manifest rewrite leaves an unlisted shard that the next
-run discards, so no sample is ever listed twice or lost.
+Order per shard: (repack without failed samples) -> ``store.commit_shard`` (fsync + rename
+/ verified upload) -> manifest rewrite. The checksum comes with the finished shard
+(combined from its writes). A crash anywhere before the manifest rewrite leaves an
+unlisted shard that the next run discards, so no sample is ever listed twice or lost.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from job.checksum import ALGORITHM
+from job.data.encode import EncodedSample
 from job.manifest import Checksum, Manifest, ShardEntry
-from job.shards.writer import FinishedShard, ShardContext, ShardPlan, ShardWriter
+from job.shards.planner import ShardPlan
+from job.shards.writer import FinishedShard, ShardContext, ShardWriter
 from job.storage.base import IndexStore
+from job.storage.staging import StagedShard, StagingArea
 
 _STOP = object()
 
@@ -33,7 +36,7 @@ class Committer:
         manifest_version: str | None,
         context: ShardContext,
         on_rejected: Callable[[str, str], None],
-        log: object,
+        log: Any,
     ) -> None:
         self.store = store
         self.manifest = manifest
@@ -79,22 +82,21 @@ class Committer:
                 self.error = exc
             # The run is failing: drop the shard and free its staging space, so that extraction
             # waiting for that space wakes up and sees the error.
-            item.path.unlink(missing_ok=True)
-            self.store.release_staging(item.plan.name)
+            item.staged.discard()
 
     def _commit(self, finished: FinishedShard) -> None:
-        plan, path, checksum = finished.plan, finished.path, finished.checksum
+        plan, checksum = finished.plan, finished.checksum
         if finished.failed:
-            for pos, reason in sorted(finished.failed.items()):
-                self._on_rejected(plan.samples[pos].sample_id, reason)
-            kept = [s for i, s in enumerate(plan.samples) if i not in finished.failed]
+            for sample in plan.samples:
+                if sample.sample_id in finished.failed:
+                    self._on_rejected(sample.sample_id, finished.failed[sample.sample_id])
+            kept = [s for s in plan.samples if s.sample_id not in finished.failed]
             if not kept:
-                path.unlink(missing_ok=True)
-                self.store.release_staging(plan.name)
+                finished.staged.discard()
                 return
-            path, checksum = _repack(path, plan, kept, self._context, self.store.staging_is_output)
+            checksum = _repack(finished.staged, plan, kept, self._context, self.store.staging_is_output)
             plan = ShardPlan(plan.number, kept)
-        committed = self.store.commit_shard(path, plan.name, checksum)
+        committed = self.store.commit_shard(finished.staged, checksum)
         entry = ShardEntry(
             name=committed.name,
             num_samples=len(plan.samples),
@@ -112,7 +114,7 @@ class Committer:
             self.committed_samples = counts.written
             self.direct_io_bytes += finished.direct_bytes
         self.write_manifest()
-        self._log.info(  # type: ignore[attr-defined]
+        self._log.info(
             "shard_committed",
             shard=entry.name,
             samples=entry.num_samples,
@@ -124,34 +126,38 @@ class Committer:
 
 
 def _repack(
-    path: Path, plan: ShardPlan, kept: list, context: ShardContext, direct_io: bool
-) -> tuple[Path, str]:
-    """Copy the kept samples' rows of ``path`` into a fresh shard file (written the way the
-    run's own writer writes: ``direct_io`` only where staging is the output); returns it and
-    its checksum."""
+    staged: StagedShard, plan: ShardPlan, kept: list[EncodedSample], context: ShardContext, direct_io: bool
+) -> str:
+    """Rewrite ``staged`` with only the ``kept`` samples (written the way the run's own writer
+    writes: ``direct_io`` only where staging is the output); returns the new checksum."""
     from safetensors import safe_open
 
     old_offsets = np.zeros(len(plan.samples) + 1, np.int64)
     np.cumsum([s.num_tokens for s in plan.samples], out=old_offsets[1:])
     position = {s.sample_id: i for i, s in enumerate(plan.samples)}
-    target = path.with_name(path.name + ".repack")
+    repacked = ShardPlan(plan.number, kept)
     finished: list[FinishedShard] = []
-    writer = ShardWriter(context, lambda _name: target, finished.append, direct_io=direct_io)
-    keys = writer.open(ShardPlan(plan.number, kept), 0)
-    with safe_open(str(path), framework="pt") as src:
+    writer = ShardWriter(context, finished.append, direct_io=direct_io)
+    # Beside the original, outside any budget: the original's reservation covers the larger file.
+    target = StagingArea(staged.path.parent, limit=None).reserve(
+        staged.name + ".repack", writer.layout(repacked).total_bytes
+    )
+    assert target is not None
+    writer.open(repacked, target)
+    with safe_open(str(staged.path), framework="pt") as src:
         hidden = src.get_slice("hidden_states")
         scales = src.get_slice("hidden_states_scale") if "hidden_states_scale" in src.keys() else None  # noqa: SIM118
-        for key, sample in zip(keys, kept, strict=True):
+        for sample in kept:
             i = position[sample.sample_id]
             a, b = int(old_offsets[i]), int(old_offsets[i + 1])
             rows = hidden[a:b].contiguous()
             writer.write_rows(
-                key,
+                sample.sample_id,
                 0,
                 rows.view(torch.uint8).numpy().data,
                 None if scales is None else scales[a:b].contiguous().numpy().tobytes(),
             )
-            writer.finish_sample(key)
-    path.unlink()
+            writer.finish_sample(sample.sample_id)
     assert finished, "repacked shard did not complete"
-    return target, finished[0].checksum
+    os.replace(target.path, staged.path)
+    return finished[0].checksum

@@ -1,0 +1,48 @@
+"""Engine construction: the VllmConfig the driver runs with, and its executor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from job.errors import ConfigError
+
+WORKER_EXTENSION = "job.worker.extension.HiddenStateCaptureExtension"
+# Engine arguments the capture depends on; engine_args may not override them.
+PINNED_ENGINE_ARGS = {
+    "enable_prefix_caching": False,  # a cached prefix is not recomputed: its states would be missing
+    "enable_chunked_prefill": True,  # long samples span several steps; rows are accumulated per request
+    "enforce_eager": True,  # hooks do not run inside CUDA graphs
+    "skip_tokenizer_init": True,
+    "worker_extension_cls": WORKER_EXTENSION,
+}
+
+
+def build_engine_config(engine_kwargs: dict[str, Any]) -> Any:
+    """EngineArgs -> VllmConfig with the pinned arguments; a clash or vLLM's refusal is a
+    ConfigError naming backend.vllm.engine_args."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    clashes = {
+        k: v for k, v in engine_kwargs.items() if k in PINNED_ENGINE_ARGS and PINNED_ENGINE_ARGS[k] != v
+    }
+    if clashes:
+        raise ConfigError(
+            f"backend.vllm.engine_args: {sorted(clashes)} cannot be changed; hidden-state capture "
+            f"needs { ({k: PINNED_ENGINE_ARGS[k] for k in clashes}) }"
+        )
+    try:
+        vllm_config = EngineArgs(**{**engine_kwargs, **PINNED_ENGINE_ARGS}).create_engine_config()
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"backend.vllm: vLLM rejected the engine arguments: {exc}") from None
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        raise ConfigError(
+            "backend.vllm.engine_args: pipeline_parallel_size must be 1 (use tensor parallelism)"
+        )
+    return vllm_config
+
+
+def start_executor(vllm_config: Any) -> Any:
+    """The executor class vLLM picks for the config (multiprocessing: one process per TP rank)."""
+    from vllm.v1.executor.abstract import Executor
+
+    return Executor.get_class(vllm_config)(vllm_config)

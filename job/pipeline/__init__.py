@@ -1,0 +1,1 @@
+"""One work index, end to end: ``runner.run_job`` and the pieces it wires together."""

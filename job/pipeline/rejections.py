@@ -1,0 +1,38 @@
+"""``rejected.jsonl``: written as samples are rejected, published when the index completes."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from job.layout import REJECTED
+from job.storage.base import IndexStore
+
+
+class Rejections:
+    def __init__(self, path: Path, log: Any) -> None:
+        self.path = path
+        self._file = path.open("w", encoding="utf-8")
+        self._lock = threading.Lock()
+        self._log = log
+        self.count = 0
+
+    def add(self, sample_id: str, reason: str) -> None:
+        """Record one rejected sample (any thread)."""
+        with self._lock:
+            self.count += 1
+            self._file.write(
+                json.dumps({"sample_id": sample_id, "reason": reason}, ensure_ascii=False) + "\n"
+            )
+        self._log.warning("sample_rejected", sample_id=sample_id, reason=reason)
+
+    def publish(self, store: IndexStore) -> None:
+        self.close()
+        store.put_file(self.path, REJECTED)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()

@@ -1,0 +1,244 @@
+"""``python -m job run``: one work index, in five phases.
+
+resume (what the manifest holds) -> wire (tokenizer stream, backend, shard writer,
+committer) -> extract (backend chunks routed into shards) -> commit (every finished
+shard listed; a stop signal ends the run here, consistent) -> finish (accounting,
+rejected.jsonl, the final manifest, totals). Clean-up runs in reverse order of set-up
+whatever happens, and the run's log is shipped last.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+from job.backends import Backend, BackendInput, create_backend
+from job.data.source import read_records
+from job.data.stream import EncodedStream
+from job.errors import JobError, Terminated
+from job.layout import REJECTED, log_name
+from job.logs import get_logger, log_file
+from job.pipeline.commit import Committer
+from job.pipeline.feed import backend_inputs
+from job.pipeline.rejections import Rejections
+from job.pipeline.resume import Resumed, resume
+from job.pipeline.routing import ChunkRouter
+from job.pipeline.setup import RunSetup, new_run_id, prepare_run
+from job.pipeline.stop import StopFlag
+from job.progress import Progress
+from job.settings import JobSettings, settings_dump
+from job.shards.planner import ShardPlanner
+from job.shards.writer import ShardContext, ShardWriter
+from job.storage import open_index_store
+from job.storage.base import IndexStore
+
+
+def run_job(settings: JobSettings, backend: Backend | None = None) -> dict[str, Any]:
+    """Run one work index. A caller-provided ``backend`` (benchmarks reuse one engine across
+    runs) is used as is and left open."""
+    run_id = new_run_id()
+    log = get_logger(run_id=run_id, work_index=settings.work.index)
+    setup = prepare_run(settings)
+    # Graceful from here on: opening the store may already write to the output (a lock).
+    with StopFlag() as stop, open_index_store(settings.output, settings.work.index) as store:
+        resumed = resume(setup, store)
+        if resumed.manifest.complete:
+            counts = resumed.manifest.counts
+            log.info("index_already_complete", location=store.location, written=counts.written)
+            return {"status": "already_complete", **counts.model_dump()}
+        return IndexRun(setup, store, resumed, run_id, log, stop, backend).run()
+
+
+@dataclass
+class _Wiring:
+    stream: EncodedStream
+    backend: Backend
+    inputs: Iterator[BackendInput | None]
+    writer: ShardWriter
+    router: ChunkRouter
+    committer: Committer
+    rejections: Rejections
+    progress: Progress
+
+
+class IndexRun:
+    def __init__(
+        self,
+        setup: RunSetup,
+        store: IndexStore,
+        resumed: Resumed,
+        run_id: str,
+        log: Any,
+        stop: StopFlag,
+        backend: Backend | None,
+    ) -> None:
+        self.setup, self.store, self.resumed = setup, store, resumed
+        self.run_id, self.log, self.stop = run_id, log, stop
+        self._given_backend = backend
+        self.status = "failed"
+        self.started = time.monotonic()
+
+    def run(self) -> dict[str, Any]:
+        with ExitStack() as cleanup:
+            self._open_log(cleanup)
+            try:
+                wiring = self._wire(cleanup)
+                extract_started = time.monotonic()
+                backend_seconds = self._extract(wiring)
+                self._commit(wiring)
+                return self._finish(wiring, extract_started, backend_seconds)
+            except BaseException as exc:
+                if self.status == "failed":
+                    self.log.error("run_failed", error=f"{type(exc).__name__}: {exc}")
+                raise
+        raise AssertionError("unreachable")
+
+    def _open_log(self, cleanup: ExitStack) -> None:
+        name = log_name(self.run_id)
+        path = self.store.local_path(name)
+        log_file.open(path)
+
+        def ship() -> None:
+            log_file.flush()
+            self.store.put_file(path, name)
+            log_file.close()
+
+        cleanup.callback(ship)
+        manifest = self.resumed.manifest
+        self.log.info(
+            "run_started",
+            settings=settings_dump(self.setup.settings),
+            model_path=str(self.setup.model.path),
+            layer_ids=self.setup.layer_ids,
+            resumed_shards=len(manifest.shards),
+            resumed_samples=self.resumed.written_before,
+            output=self.store.location,
+        )
+
+    def _wire(self, cleanup: ExitStack) -> _Wiring:
+        """Set up every stage, each registered for clean-up as soon as it exists."""
+        setup, settings, manifest = self.setup, self.setup.settings, self.resumed.manifest
+        rejections = Rejections(self.store.local_path(REJECTED + ".partial"), self.log)
+        cleanup.callback(rejections.close)
+        # Tokenization starts first: it fills its queue while the engine loads. Its thread and
+        # this one both import from transformers, whose lazy module is not safe to populate from
+        # two threads at once: resolve what both need here.
+        import transformers
+
+        _ = transformers.AutoTokenizer, transformers.AutoModelForCausalLM
+        stream = EncodedStream(
+            read_records(setup.files),
+            setup.encoder,
+            index=settings.work.index,
+            count=settings.work.count,
+            done_ids=manifest.done_sample_ids(),
+            workers=settings.data.tokenizer_workers,
+            prefetch=settings.data.prefetch_samples,
+        )
+        cleanup.callback(stream.close)
+        backend = self._given_backend or create_backend(settings, setup.model, setup.layer_ids, setup.dtype)
+        if self._given_backend is None:
+            cleanup.callback(backend.close)
+        manifest.backend = backend.info
+        manifest.run_ids.append(self.run_id)
+        context = ShardContext(
+            len(setup.layer_ids),
+            setup.model.hidden_size,
+            setup.dtype,
+            setup.shard_metadata(backend.info, self.run_id),
+        )
+        committer = Committer(self.store, manifest, self.resumed.version, context, rejections.add, self.log)
+        cleanup.callback(self._close_committer_if_failed, committer)
+        committer.write_manifest()
+        writer = ShardWriter(context, committer.submit, direct_io=self.store.staging_is_output)
+        cleanup.callback(writer.abandon_open)
+        router = ChunkRouter(writer, settings.output.writer_threads)
+        cleanup.callback(router.close, raise_error=False)
+        planner = ShardPlanner(
+            int(settings.output.shard_bytes), setup.bytes_per_token, self.resumed.next_shard_number
+        )
+        inputs = backend_inputs(stream.accepted(rejections.add), planner, writer, self.store, self.stop)
+        progress = Progress(self.log, settings.log.progress_interval_s, sum(f.size for f in setup.files))
+        return _Wiring(stream, backend, inputs, writer, router, committer, rejections, progress)
+
+    def _close_committer_if_failed(self, committer: Committer) -> None:
+        if self.status != "failed":
+            return
+        try:  # keep what was already finished: its shards still get listed
+            committer.close()
+        except BaseException as exc:
+            self.log.error("commit_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def _extract(self, w: _Wiring) -> float:
+        """Run the backend over every input; returns its seconds (to its last rows)."""
+        started = time.monotonic()
+        for chunk in w.backend.extract(w.inputs):
+            w.router(chunk)
+            w.progress.maybe_report(
+                w.router.tokens,
+                w.router.samples,
+                w.stream.stats.bytes_done,
+                w.committer.committed_samples,
+                w.rejections.count,
+            )
+            for error in (w.router.error, w.committer.error):
+                if error is not None:
+                    raise error
+        return time.monotonic() - started
+
+    def _commit(self, w: _Wiring) -> None:
+        """List every finished shard. After a stop signal, the open shards are abandoned (their
+        samples are redone by the next run) and the run ends here, consistent."""
+        w.router.close()
+        if not self.stop.is_set():
+            w.committer.close()
+            return
+        abandoned = w.writer.abandon_open()
+        w.committer.close()
+        self.status = "terminated"
+        self.log.warning(
+            "run_stopped",
+            signal=self.stop.signal_name,
+            committed_shards=len(self.resumed.manifest.shards),
+            abandoned_shards=[p.name for p in abandoned],
+            abandoned_samples=sum(len(p.samples) for p in abandoned),
+        )
+        raise Terminated(f"stopped by {self.stop.signal_name}; committed shards are listed, a rerun resumes")
+
+    def _finish(self, w: _Wiring, extract_started: float, backend_seconds: float) -> dict[str, Any]:
+        """Check that every owned sample is accounted for, then mark the index complete."""
+        manifest, stats = self.resumed.manifest, w.stream.stats
+        written_now = manifest.counts.written - self.resumed.written_before
+        accounted = stats.skipped_done + written_now + w.rejections.count
+        if stats.owned != accounted:
+            raise JobError(
+                f"accounting mismatch: this index owns {stats.owned} samples but {accounted} are "
+                "written, resumed or rejected"
+            )
+        w.rejections.publish(self.store)
+        w.committer.write_manifest(complete=True, rejected=w.rejections.count)
+        self.status = "complete"
+        now = time.monotonic()
+        elapsed, extract_seconds, tokens = now - self.started, now - extract_started, w.router.tokens
+        totals = {
+            "status": self.status,
+            "written": manifest.counts.written,
+            "written_this_run": written_now,
+            "rejected": w.rejections.count,
+            "truncated": manifest.counts.truncated,
+            "shards": len(manifest.shards),
+            "tokens": tokens,
+            "seconds": round(elapsed, 3),
+            "tok_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+            # from the backend being ready to its last rows / to the last shard committed
+            "backend_seconds": round(backend_seconds, 3),
+            "extract_seconds": round(extract_seconds, 3),
+            "extract_tok_per_s": round(tokens / extract_seconds, 1) if extract_seconds > 0 else None,
+            "bytes_written": sum(s.bytes for s in manifest.shards),
+            "direct_io_bytes": w.committer.direct_io_bytes,
+        }
+        self.log.info("run_finished", **totals)
+        return totals

@@ -1,0 +1,110 @@
+"""Everything a run derives from its settings before any model runs (``plan`` uses it too)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from dataclasses import dataclass
+
+from job.data.encode import EncoderSpec, read_chat_template
+from job.data.source import InputFile, data_fingerprint, list_input_files
+from job.hidden_dtype import HiddenDtype, stored_dtype
+from job.manifest import Identity
+from job.model import LAYER_CONVENTION, ModelInfo, resolve_model
+from job.settings import JobSettings
+
+# Everything that decides input_ids and loss masks. Current transformers saves a model's
+# chat template to chat_template.jinja (or .json), not inside tokenizer_config.json.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+# Per token besides its hidden states: the input id (int32) and the loss-mask flag (uint8).
+_IDS_AND_MASK_BYTES = 4 + 1
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def tokenizer_fingerprint(model: ModelInfo, chat_template: str | None) -> str:
+    digest = hashlib.sha256()
+    for name in _TOKENIZER_FILES:
+        path = model.path / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    digest.update(b"template\0" + (chat_template or "").encode())
+    return "sha256:" + digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    settings: JobSettings
+    model: ModelInfo
+    layer_ids: list[int]
+    dtype: HiddenDtype  # how hidden states are stored
+    encoder: EncoderSpec
+    identity: Identity
+    files: list[InputFile]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.dtype.token_bytes(len(self.layer_ids), self.model.hidden_size) + _IDS_AND_MASK_BYTES
+
+    def shard_metadata(self, backend_info: dict[str, object], run_id: str) -> dict[str, str]:
+        """What every shard of this run records about its origin (format.py lists the keys)."""
+        model = self.model
+        return {
+            "layer_ids": json.dumps(self.layer_ids),
+            "layer_convention": LAYER_CONVENTION,
+            "final_layer_prenorm": "true",
+            "model_path": str(model.path),
+            "model_name": model.name,
+            "model_config_hash": model.config_hash,
+            "model_dtype": model.dtype,
+            "dtype": self.dtype.name,
+            "storage": self.dtype.encoding,
+            "hidden_size": str(model.hidden_size),
+            "num_model_layers": str(model.num_layers),
+            "backend": str(backend_info.get("backend", "")),
+            "backend_info": json.dumps(backend_info),
+            "data_fingerprint": self.identity.data_fingerprint,
+            "work_index": str(self.identity.work_index),
+            "work_count": str(self.identity.work_count),
+            "run_id": run_id,
+        }
+
+
+def prepare_run(settings: JobSettings) -> RunSetup:
+    model = resolve_model(settings.model)
+    layer_ids = model.resolve_layer_ids(settings.layers.ids)
+    files = list_input_files(settings.data.path)
+    template = read_chat_template(settings.data.chat_template)
+    dtype = stored_dtype(settings.model.dtype, settings.output.hidden_dtype)
+    encoder = EncoderSpec(
+        tokenizer_path=str(model.path),
+        chat_template=template,
+        data_format=settings.data.format,
+        max_length=settings.data.max_length,
+        too_long=settings.data.too_long,
+        vocab_size=model.vocab_size,
+    )
+    identity = Identity(
+        model_config_hash=model.config_hash,
+        layer_ids=layer_ids,
+        storage=dtype.name,
+        data_fingerprint=data_fingerprint(files),
+        data_format=settings.data.format,
+        max_length=settings.data.max_length,
+        too_long=settings.data.too_long,
+        tokenizer_fingerprint=tokenizer_fingerprint(model, template),
+        work_index=settings.work.index,
+        work_count=settings.work.count,
+    )
+    return RunSetup(settings, model, layer_ids, dtype, encoder, identity, files)

@@ -1,0 +1,104 @@
+"""Read shards: ``open_shard(path)`` and ``iter_output(dir)``.
+
+Only shards listed in an index's manifest are read; anything else in the
+directory is an interrupted run's leftover and is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from job.hidden_dtype import hidden_dtype
+from job.layout import MANIFEST
+from job.manifest import Manifest
+from job.shards.format import FORMAT_VERSION
+
+
+@dataclass(frozen=True)
+class Sample:
+    sample_id: str
+    input_ids: torch.Tensor  # int32 [T]
+    loss_mask: torch.Tensor  # uint8 [T]
+    hidden_states: torch.Tensor  # [T, L, H] in the model dtype (FP8 is decoded)
+    layer_ids: list[int]
+
+
+class Shard:
+    """A read-only view of one shard file; samples are loaded lazily."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file = safe_open(str(self.path), framework="pt")
+        raw = self._file.metadata() or {}
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{self.path}: unsupported shard format_version {raw.get('format_version')!r}")
+        self.metadata: dict[str, Any] = {
+            k: json.loads(v) if k in ("sample_ids", "layer_ids", "backend_info") else v
+            for k, v in raw.items()
+        }
+        self.sample_ids: list[str] = self.metadata["sample_ids"]
+        self.layer_ids: list[int] = self.metadata["layer_ids"]
+        self.dtype = hidden_dtype(self.metadata["dtype"])
+        self.model_dtype = hidden_dtype(self.metadata["model_dtype"]).torch
+        self.offsets = self._file.get_tensor("sample_offsets")
+        self._input_ids = self._file.get_tensor("input_ids")
+        self._loss_mask = self._file.get_tensor("loss_mask")
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def hidden_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Hidden states of token rows [start, stop) decoded to the model dtype."""
+        rows = self._file.get_slice("hidden_states")[start:stop]
+        if self.dtype.scaled:
+            scales = self._file.get_slice("hidden_states_scale")[start:stop]
+            return (rows.to(torch.float32) * scales.unsqueeze(-1)).to(self.model_dtype)
+        return rows
+
+    def sample(self, i: int) -> Sample:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return Sample(
+            sample_id=self.sample_ids[i],
+            input_ids=self._input_ids[a:b],
+            loss_mask=self._loss_mask[a:b],
+            hidden_states=self.hidden_rows(a, b),
+            layer_ids=self.layer_ids,
+        )
+
+    def __iter__(self) -> Iterator[Sample]:
+        for i in range(len(self)):
+            yield self.sample(i)
+
+
+def open_shard(path: str | Path) -> Shard:
+    return Shard(path)
+
+
+def read_manifest(index_dir: str | Path) -> Manifest | None:
+    path = Path(index_dir) / MANIFEST
+    if not path.is_file():
+        return None
+    return Manifest.from_bytes(path.read_bytes(), str(path))
+
+
+def iter_output(output_dir: str | Path, require_complete: bool = False) -> Iterator[Sample]:
+    """Samples of every shard listed in the manifests under ``output_dir``."""
+    for index_dir in sorted(Path(output_dir).glob("index-*")):
+        manifest = read_manifest(index_dir)
+        if manifest is None:
+            continue
+        if require_complete and not manifest.complete:
+            raise ValueError(f"{index_dir}: manifest is not complete")
+        for entry in manifest.shards:
+            yield from Shard(index_dir / entry.name)

@@ -1,0 +1,236 @@
+"""ChunkRouter and Committer, in process, on real shard files in a real local store: rows routed
+by sample in any order and from several threads, non-finite samples rejected and their shard
+repacked, commit failures surfaced, staging space given back on every path."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from job.backends import HiddenChunk
+from job.checksum import crc64nvme_file
+from job.data.encode import EncodedSample
+from job.hidden_dtype import hidden_dtype
+from job.layout import index_dir_name
+from job.logs import get_logger
+from job.manifest import Identity, Manifest
+from job.pipeline.commit import Committer
+from job.pipeline.routing import NONFINITE, ChunkRouter
+from job.shards import open_shard, read_manifest
+from job.shards.planner import ShardPlan
+from job.shards.writer import FinishedShard, ShardContext, ShardWriter
+from job.storage.local import LocalIndexStore
+
+LAYERS, HIDDEN = 2, 8
+DTYPE = hidden_dtype("float32")
+CONTEXT = ShardContext(
+    LAYERS, HIDDEN, DTYPE, {"dtype": "float32", "model_dtype": "float32", "layer_ids": "[1, 2]"}
+)
+
+
+def samples(*lengths: int, prefix: str = "s") -> list[EncodedSample]:
+    return [
+        EncodedSample(f"{prefix}{i}", np.arange(n, dtype=np.int32) + 3, np.ones(n, np.uint8), False)
+        for i, n in enumerate(lengths)
+    ]
+
+
+def rows_of(sample: EncodedSample) -> torch.Tensor:
+    """Each sample's rows are distinct: token id + layer + channel/100."""
+    ids = torch.as_tensor(sample.input_ids, dtype=torch.float32)
+    return ids[:, None, None] + torch.arange(LAYERS)[None, :, None] + torch.arange(HIDDEN) / 100
+
+
+def chunks(sample: EncodedSample, size: int, nonfinite_at: int | None = None) -> list[HiddenChunk]:
+    rows = rows_of(sample)
+    if nonfinite_at is not None:
+        rows[nonfinite_at, 0, 0] = float("nan")
+    out = []
+    for start in range(0, sample.num_tokens, size):
+        part = rows[start : start + size].contiguous()
+        last = start + size >= sample.num_tokens
+        out.append(
+            HiddenChunk(sample.sample_id, start, part, None, last, not bool(torch.isfinite(part).all()))
+        )
+    return out
+
+
+def new_manifest() -> Manifest:
+    identity = Identity(
+        model_config_hash="h",
+        layer_ids=[1, 2],
+        storage="float32",
+        data_fingerprint="d",
+        data_format="tokenized",
+        max_length=64,
+        too_long="truncate",
+        tokenizer_fingerprint="t",
+        work_index=0,
+        work_count=1,
+    )
+    return Manifest(
+        identity=identity,
+        model_name="m",
+        model_path="/m",
+        hidden_size=HIDDEN,
+        dtype="float32",
+        layer_convention="c",
+        final_layer_prenorm=True,
+        backend={},
+    )
+
+
+class Pipeline:
+    """Writer -> committer -> local store, as the runner wires them."""
+
+    def __init__(self, root: Path) -> None:
+        self.store = LocalIndexStore.open(str(root), 0)
+        self.directory = root / index_dir_name(0)
+        self.rejected: list[tuple[str, str]] = []
+        self.manifest = new_manifest()
+        self.committer = Committer(
+            self.store, self.manifest, None, CONTEXT, lambda *r: self.rejected.append(r), get_logger()
+        )
+        self.writer = ShardWriter(CONTEXT, self.committer.submit, direct_io=False)
+
+    def open(self, number: int, members: list[EncodedSample]) -> ShardPlan:
+        plan = ShardPlan(number, members)
+        staged = self.store.stage_shard(plan.name, self.writer.layout(plan).total_bytes)
+        assert staged is not None
+        self.writer.open(plan, staged)
+        return plan
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def test_rows_routed_in_any_order_from_threads_read_back_exactly(tmp_path: Path) -> None:
+    pipe = Pipeline(tmp_path)
+    first, second = samples(7, 30, 1), samples(12, 5, prefix="t")
+    pipe.open(0, first)
+    pipe.open(1, second)
+    router = ChunkRouter(pipe.writer, threads=4)
+    released: list[str] = []
+    everything = [c for s in first + second for c in chunks(s, 4)]
+    rng = np.random.default_rng(0)
+    for chunk in [everything[i] for i in rng.permutation(len(everything))]:
+        chunk.release = lambda chunk=chunk: released.append(chunk.sample_id)
+        router(chunk)
+    router.close()
+    pipe.committer.close()
+    assert sorted(released) == sorted(c.sample_id for c in everything)  # every buffer handed back once
+    assert router.tokens == sum(s.num_tokens for s in first + second) and router.samples == 5
+    manifest = read_manifest(pipe.directory)
+    assert manifest is not None and sorted(e.name for e in manifest.shards) == [
+        "shard-00000.safetensors",
+        "shard-00001.safetensors",
+    ]
+    for entry in manifest.shards:
+        assert crc64nvme_file(pipe.directory / entry.name) == entry.checksum.value
+        shard = open_shard(pipe.directory / entry.name)
+        expected = {s.sample_id: s for s in first + second}
+        for got in shard:
+            assert torch.equal(got.hidden_states, rows_of(expected[got.sample_id]))
+    assert pipe.store.staging.used_bytes == 0
+    pipe.close()
+
+
+def test_a_nonfinite_sample_is_rejected_and_its_shard_repacked(tmp_path: Path) -> None:
+    pipe = Pipeline(tmp_path)
+    members = samples(6, 9, 4)
+    pipe.open(0, members)
+    router = ChunkRouter(pipe.writer, threads=2)
+    for sample, bad in zip(members, (None, 5, None), strict=True):
+        for chunk in chunks(sample, 3, nonfinite_at=bad):
+            router(chunk)
+    router.close()
+    pipe.committer.close()
+    assert pipe.rejected == [("s1", NONFINITE)]
+    manifest = read_manifest(pipe.directory)
+    assert manifest is not None and [e.sample_ids for e in manifest.shards] == [["s0", "s2"]]
+    assert manifest.counts.written == 2
+    entry = manifest.shards[0]
+    assert crc64nvme_file(pipe.directory / entry.name) == entry.checksum.value
+    shard = open_shard(pipe.directory / entry.name)
+    assert [s.sample_id for s in shard] == ["s0", "s2"]
+    assert torch.equal(shard.sample(1).hidden_states, rows_of(members[2]))
+    assert sorted(p.name for p in pipe.directory.iterdir()) == [".lock", "manifest.json", entry.name]
+    assert pipe.store.staging.used_bytes == 0
+    pipe.close()
+
+
+def test_a_shard_whose_samples_all_failed_is_dropped(tmp_path: Path) -> None:
+    pipe = Pipeline(tmp_path)
+    members = samples(3, 3)
+    pipe.open(0, members)
+    for sample in members:
+        pipe.writer.write_rows(sample.sample_id, 0, rows_of(sample).view(torch.uint8).numpy().data)
+        pipe.writer.finish_sample(sample.sample_id, "test failure")
+    pipe.committer.close()
+    assert [r[0] for r in pipe.rejected] == ["s0", "s1"]
+    assert pipe.manifest.shards == [] and pipe.store.staging.used_bytes == 0
+    assert not any(p.name.startswith("shard-") for p in pipe.directory.iterdir())
+    pipe.close()
+
+
+def test_a_commit_failure_is_raised_and_later_shards_are_dropped(tmp_path: Path) -> None:
+    pipe = Pipeline(tmp_path)
+    (pipe.directory / "shard-00000.safetensors").write_bytes(b"someone else's")  # never overwritten
+    for number in (0, 1):
+        (member,) = samples(4, prefix=f"n{number}-")
+        pipe.open(number, [member])
+        router = ChunkRouter(pipe.writer, threads=1)
+        for chunk in chunks(member, 4):
+            router(chunk)
+        router.close()
+    with pytest.raises(FileExistsError, match="never overwritten"):
+        pipe.committer.close()
+    assert pipe.manifest.shards == []  # nothing listed: shard 1 was dropped once shard 0 failed
+    assert pipe.store.staging.used_bytes == 0
+    assert sorted(p.name for p in pipe.directory.iterdir()) == [".lock", "shard-00000.safetensors"]
+    pipe.close()
+
+
+def test_a_write_error_reaches_the_router_and_stops_further_writes(tmp_path: Path) -> None:
+    pipe = Pipeline(tmp_path)
+    (member,) = samples(4)
+    pipe.open(0, [member])
+    router = ChunkRouter(pipe.writer, threads=1)
+    too_long = HiddenChunk(member.sample_id, 2, rows_of(member), None, last=True, nonfinite=False)
+    done = threading.Event()
+    too_long.release = done.set
+    router(too_long)
+    with pytest.raises(ValueError, match=r"rows 2\.\.6 exceed sample s0"):
+        router.close()
+    assert done.is_set() and router.error is not None
+    assert [p.name for p in pipe.writer.abandon_open()] == ["shard-00000.safetensors"]
+    assert pipe.store.staging.used_bytes == 0
+    pipe.committer.close()
+    pipe.close()
+
+
+def test_finished_shards_carry_what_the_committer_needs(tmp_path: Path) -> None:
+    """The writer's hand-over: plan, staged file, failures by sample id, combined checksum."""
+    finished: list[FinishedShard] = []
+    store = LocalIndexStore.open(str(tmp_path), 0)
+    writer = ShardWriter(CONTEXT, finished.append, direct_io=False)
+    members = samples(2, 2)
+    plan = ShardPlan(5, members)
+    staged = store.stage_shard(plan.name, writer.layout(plan).total_bytes)
+    assert staged is not None
+    writer.open(plan, staged)
+    for sample in members:
+        writer.write_rows(sample.sample_id, 0, rows_of(sample).view(torch.uint8).numpy().data)
+    writer.finish_sample("s1", "bad")
+    assert finished == []
+    writer.finish_sample("s0")
+    (shard,) = finished
+    assert shard.plan is plan and shard.staged is staged and shard.failed == {"s1": "bad"}
+    assert shard.checksum == crc64nvme_file(staged.path)
+    staged.discard()
+    assert store.staging.used_bytes == 0 and not staged.path.exists()
+    store.close()

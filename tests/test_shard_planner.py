@@ -1,0 +1,95 @@
+"""ShardPlanner and the backend feed, in process: which samples go into which shard, in what
+order, and what the backend is handed while staging space is short."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from job.data.encode import EncodedSample
+from job.hidden_dtype import hidden_dtype
+from job.layout import index_dir_name
+from job.pipeline.feed import backend_inputs
+from job.pipeline.stop import StopFlag
+from job.shards.planner import ShardPlan, ShardPlanner
+from job.shards.writer import ShardContext, ShardWriter
+from job.storage.local import LocalIndexStore
+from job.storage.staging import StagingArea
+
+BYTES_PER_TOKEN = 10
+
+
+def sample(name: str, tokens: int) -> EncodedSample:
+    return EncodedSample(name, np.arange(tokens, dtype=np.int32), np.ones(tokens, np.uint8), False)
+
+
+def plans(planner: ShardPlanner, samples: list[EncodedSample]) -> list[tuple[int, list[str]]]:
+    out = [p for s in samples for p in planner.add(s)] + list(planner.flush())
+    return [(p.number, [s.sample_id for s in p.samples]) for p in out]
+
+
+def test_shards_fill_in_input_order_up_to_the_target_size() -> None:
+    planner = ShardPlanner(shard_bytes=100, bytes_per_token=BYTES_PER_TOKEN, first_number=3)
+    got = plans(planner, [sample("a", 4), sample("b", 5), sample("c", 3), sample("d", 7), sample("e", 1)])
+    # a+b = 90 B; c would make 120 B > 100: a new shard; c+d = 100 B closes it exactly.
+    assert got == [(3, ["a", "b"]), (4, ["c", "d"]), (5, ["e"])]
+    assert planner.next_number == 6
+
+
+def test_a_sample_larger_than_a_shard_gets_one_of_its_own() -> None:
+    planner = ShardPlanner(shard_bytes=100, bytes_per_token=BYTES_PER_TOKEN, first_number=0)
+    got = plans(planner, [sample("a", 2), sample("huge", 50), sample("b", 2)])
+    assert got == [(0, ["a"]), (1, ["huge"]), (2, ["b"])]
+
+
+def test_nothing_to_flush_without_samples() -> None:
+    assert list(ShardPlanner(100, BYTES_PER_TOKEN, 0).flush()) == []
+
+
+def _writer(store: LocalIndexStore, finished: list) -> ShardWriter:
+    context = ShardContext(1, 4, hidden_dtype("float32"), {"dtype": "float32", "model_dtype": "float32"})
+    return ShardWriter(context, finished.append, direct_io=False)
+
+
+def test_the_feed_opens_a_shard_before_handing_out_its_samples(tmp_path: Path) -> None:
+    store = LocalIndexStore.open(str(tmp_path), 0)
+    writer = _writer(store, [])
+    samples = [sample(f"s{i}", 20) for i in range(5)]
+    with StopFlag() as stop:
+        inputs = backend_inputs(iter(samples), ShardPlanner(16 * 20 * 2, 16, 0), writer, store, stop)
+        got = []
+        for item in inputs:
+            assert item is not None
+            # the shard holding this sample exists before the backend sees the sample
+            assert any(p.name.startswith("shard-") for p in (tmp_path / index_dir_name(0)).iterdir())
+            got.append(item.sample_id)
+    assert got == [s.sample_id for s in samples]
+    assert [p.name for p in writer.abandon_open()] == [f"shard-0000{i}.safetensors" for i in range(3)]
+    store.close()
+
+
+def test_the_feed_yields_none_while_staging_is_full_and_stops_on_request(tmp_path: Path) -> None:
+    store = LocalIndexStore.open(str(tmp_path), 0)
+    writer = _writer(store, [])
+    samples = [sample(f"s{i}", 20) for i in range(6)]
+    planner = ShardPlanner(2 * 20 * 16, 16, 0)  # two samples a shard
+    one_shard = writer.layout(ShardPlan(0, samples[:2])).total_bytes
+    store.staging = StagingArea(store.directory, limit=one_shard)  # room for one shard only
+    with StopFlag() as stop:
+        inputs = backend_inputs(iter(samples), planner, writer, store, stop)
+        assert [next(inputs).sample_id, next(inputs).sample_id] == ["s0", "s1"]  # type: ignore[union-attr]
+        assert next(inputs) is None  # the second shard waits for space: "nothing new yet"
+        assert next(inputs) is None
+        freed = threading.Timer(0.1, writer.abandon_open)  # the first shard goes: space frees up
+        freed.start()
+        item = next(inputs)
+        while item is None:
+            item = next(inputs)
+        assert item.sample_id == "s2"
+        freed.join()
+        stop.request("test")
+        assert next(inputs).sample_id == "s3"  # type: ignore[union-attr]  # the open shard's samples still come
+        assert list(inputs) == []  # then nothing more: the third shard is never opened
+    store.close()
