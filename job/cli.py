@@ -1,97 +1,154 @@
-"""Command line: ``python -m job [run|config|plan|inspect] [--config FILE] [--key.sub=value ...]``
-and ``python -m job export --format speculators SRC DST``."""
+"""Command line: ``python -m job [COMMAND] [--config FILE] [--section.key=value ...]``.
+
+Every command has its own ``--help``; ``run`` is the default command. A failure is one
+``error: ...`` line on stderr (scrubbed of secrets) and an exit code from
+``job.errors``; tracebacks go to the JSON log only.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, NoReturn
 
 import yaml
 
-from job.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, EXIT_TERMINATED, ConfigError, JobError
+from job.errors import EXIT_FAILURE, EXIT_OK, EXIT_TERMINATED, ConfigError, JobError
 from job.logs import configure_logging, get_logger, scrubber
 from job.settings import JobSettings, load_settings, redact, settings_dump
 
+# What a command's output piped into `head` exits with once the reader has gone (128 + SIGPIPE),
+# as a program killed by SIGPIPE would.
+EXIT_BROKEN_PIPE = 141
+SETTINGS_HELP = (
+    "Settings: --section.key=value (e.g. --output.uri=s3://bucket/run1), environment JOB_SECTION__KEY, "
+    "or a YAML file with --config; `python -m job config` lists every key and its value."
+)
 COMMANDS = {
-    "run": "extract hidden states for this work index (the default)",
+    "run": "extract hidden states for this work index (the default command)",
     "config": "print the effective settings (secrets redacted) and exit",
     "plan": "read and tokenize the data; print samples, tokens, bytes and shards for this index",
-    "inspect": "summarize a shard file or an output directory",
+    "inspect": "summarize a shard file or an output directory (local or s3://)",
     "compare": "compare two outputs sample by sample (PATH = candidate, --reference = e.g. the HF output)",
-    "bench": "throughput benchmark on a GPU (see docs/benchmarks.md)",
-    "export": "convert an output directory (SRC) into another trainer's layout in DST (--format speculators)",
+    "bench": "throughput benchmark on a GPU (see docs/benchmarks.md; `bench --help`)",
+    "export": "convert an output (SRC) into another trainer's layout in DST (--format speculators)",
 }
+_TAKE_SETTINGS = ("run", "config", "plan")
+
+
+def tool_version() -> str:
+    try:
+        return version("eagle3-extract")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is a ConfigError (one ``error:`` line, exit 2) like any other."""
+
+    def error(self, message: str) -> NoReturn:
+        usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
+        raise ConfigError(f"{message}; usage: {usage} (--help says more)")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m job",
+        allow_abbrev=False,
         description="EAGLE-3 draft-training data: hidden states from a target model's prefill.",
-        epilog="Any setting can be given as --section.key=value, e.g. --output.uri=s3://bucket/run1 "
-        "(environment: JOB_OUTPUT__URI). `python -m job config` lists them all.",
+        epilog=SETTINGS_HELP,
     )
-    parser.add_argument("command", nargs="?", default="run", choices=list(COMMANDS))
-    parser.add_argument("path", nargs="?", help="inspect: shard file or output directory; export: SRC")
-    parser.add_argument("dest", nargs="?", help="export: DST, a new or empty directory")
-    parser.add_argument("--config", help="YAML settings file (over config/default.yaml)")
-    parser.add_argument("--verify", action="store_true", help="inspect, export: recompute shard checksums")
-    parser.add_argument("--reference", help="compare: the reference output directory")
-    parser.add_argument("--tolerance", type=float, default=2e-2, help="compare: max relative error")
-    parser.add_argument("--format", dest="fmt", help="export: the target layout (speculators)")
-    parser.add_argument(
+    parser.add_argument("--version", action="version", version=f"eagle3-extract {tool_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _TAKE_SETTINGS:
+        sub = commands.add_parser(
+            name, help=COMMANDS[name], description=COMMANDS[name], epilog=SETTINGS_HELP, allow_abbrev=False
+        )
+        sub.add_argument("--config", help="YAML settings file (over config/default.yaml)")
+    inspect = commands.add_parser("inspect", help=COMMANDS["inspect"], description=COMMANDS["inspect"])
+    inspect.add_argument("path", help="a shard file, an output directory, one index-* directory or s3://...")
+    inspect.add_argument(
+        "--verify", action="store_true", help="recompute every listed shard's checksum; exit 1 on a mismatch"
+    )
+    compare = commands.add_parser("compare", help=COMMANDS["compare"], description=COMMANDS["compare"])
+    compare.add_argument("path", help="the candidate output directory")
+    compare.add_argument("--reference", required=True, help="the reference output directory")
+    compare.add_argument("--tolerance", type=float, default=2e-2, help="max relative error (default 0.02)")
+    export = commands.add_parser(
+        "export",
+        help=COMMANDS["export"],
+        description=COMMANDS["export"],
+        usage="python -m job export --format speculators SRC DST [--verify] [--allow-incomplete]",
+    )
+    export.add_argument("path", metavar="SRC", help="an output directory, one index-* or s3://...")
+    export.add_argument("dest", metavar="DST", help="a new or empty directory")
+    export.add_argument("--format", dest="fmt", required=True, help="the target layout: speculators")
+    export.add_argument(
+        "--verify", action="store_true", help="recompute local shards' checksums (s3: always)"
+    )
+    export.add_argument(
         "--allow-incomplete",
         action="store_true",
-        help="export: also export when some index is unfinished (only what is committed)",
+        help="also export when some index is unfinished (only what is committed)",
     )
+    commands.add_parser("bench", help=COMMANDS["bench"], add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv[:1] == ["bench"]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version")):
+        argv.insert(0, "run")
+    try:
+        return _dispatch(argv)
+    except BrokenPipeError:
+        # The reader of our stdout went away (`inspect ... | head`): nothing left to say to it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _dispatch(argv: list[str]) -> int:
+    if argv[0] == "bench":
         from job.bench import main as bench_main
 
-        return bench_main(list(argv[1:]))
-    # intermixed: positionals may follow options (export --format speculators SRC DST)
-    args, overrides = _parser().parse_known_intermixed_args(argv)
+        return bench_main(argv[1:])
+    parser = _parser()
     try:
-        # argparse takes an unknown "--key=value" whose value holds a space for a
-        # positional (PATH, DEST); a command without those would silently drop the
-        # setting. They were the first overrides: put them back first, in order.
-        takes = {"inspect": 1, "compare": 1, "export": 2}.get(args.command, 0)
-        stray = [p for p in (args.path, args.dest)[takes:] if p is not None]
-        for value in stray:
-            if not value.startswith("-"):
-                raise ConfigError(f"unexpected argument {value!r}; settings are given as --section.key=value")
-        overrides[:0] = stray
+        # Settings commands pass unknown --section.key=value flags on to the settings model;
+        # the other commands take none.
+        args, overrides = parser.parse_known_args(argv)
+        if overrides and args.command not in _TAKE_SETTINGS:
+            raise ConfigError(f"{args.command} takes no settings; unexpected {' '.join(overrides)}")
         if args.command == "compare":
             from job.compare import compare_outputs
 
-            if not (args.path and args.reference):
-                raise ConfigError("compare needs PATH (the candidate output) and --reference DIR")
             result = compare_outputs(args.path, args.reference)
             print(result.summary(args.tolerance))
             return EXIT_OK if result.ok(args.tolerance) else EXIT_FAILURE
         if args.command == "inspect":
             from job.inspect import inspect_path
 
-            if not args.path:
-                raise ConfigError("inspect needs a PATH (a shard file or an output directory)")
-            print(inspect_path(args.path, verify=args.verify))
-            return EXIT_OK
+            report = inspect_path(args.path, verify=args.verify)
+            print(report.text)
+            return EXIT_OK if report.ok else EXIT_FAILURE
         if args.command == "export":
-            return _export(args, overrides)
+            from job.export import export
+
+            print(export(args.fmt, args.path, args.dest, args.allow_incomplete, args.verify).describe())
+            return EXIT_OK
+        for value in _stray_positionals(overrides):
+            raise ConfigError(f"unexpected argument {value!r}; settings are given as --section.key=value")
         settings = load_settings(args.config, overrides)
-    except ConfigError as exc:
-        print(_error_line(exc), file=sys.stderr)
-        return EXIT_CONFIG
+    except JobError as exc:
+        print(error_line(exc), file=sys.stderr)
+        return exc.exit_code
     if args.command == "config":
         print(yaml.safe_dump(settings_dump(settings), sort_keys=False, allow_unicode=True), end="")
         return EXIT_OK
@@ -99,7 +156,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run_command(args.command, settings)
 
 
-def _error_line(exc: Exception) -> str:
+def _stray_positionals(overrides: list[str]) -> Iterator[str]:
+    """Arguments that are neither a flag nor the value after a ``--key`` (without ``=``)."""
+    expects_value = False
+    for item in overrides:
+        if item.startswith("-"):
+            expects_value = "=" not in item
+        elif expects_value:
+            expects_value = False
+        else:
+            yield item
+
+
+def error_line(exc: BaseException) -> str:
     """The one stderr line for a fatal error, with the same scrubbing as the logs.
 
     Messages may echo a setting's value (``(got 's3://key:secret@...')``), and stderr
@@ -142,22 +211,6 @@ def _exit_on_stop_signal() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _export(args: argparse.Namespace, extra: list[str]) -> int:
-    if extra:
-        raise ConfigError(f"export takes no settings; unexpected {' '.join(extra)}")
-    if not args.fmt or not args.path or not args.dest:
-        raise ConfigError("usage: python -m job export --format speculators SRC DST")
-    from job.export import export
-
-    try:
-        summary = export(args.fmt, args.path, args.dest, args.allow_incomplete, args.verify)
-    except JobError as exc:  # ConfigError included: its exit code tells a retry won't help
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    print(summary.describe())
-    return EXIT_OK
-
-
 def _run_command(command: str, settings: JobSettings) -> int:
     log = get_logger()
     try:
@@ -169,17 +222,30 @@ def _run_command(command: str, settings: JobSettings) -> int:
         with _exit_on_stop_signal():
             from job.pipeline.runner import run_job
 
-            run_job(settings)
+            totals = run_job(settings)
+        print(totals["summary"], file=sys.stderr)
         return EXIT_OK
     except JobError as exc:
         log.error("job_error", error=str(exc), exit_code=exc.exit_code)
-        if exc.exit_code == EXIT_CONFIG:
-            print(_error_line(exc), file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return exc.exit_code
-    except Exception as exc:
-        log.exception("job_crashed", error=f"{type(exc).__name__}: {exc}")
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            return _crashed(log, exc)
+        log.error("job_error", error=str(exc), exit_code=EXIT_FAILURE)
+        print(error_line(OSError(f"{exc}; committed shards are kept: free space and rerun")), file=sys.stderr)
         return EXIT_FAILURE
+    except Exception as exc:
+        return _crashed(log, exc)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _crashed(log: Any, exc: Exception) -> int:
+    """An unexpected failure: the traceback goes to the log, one line to stderr (called from
+    inside the ``except`` clause, so the log still sees the exception)."""
+    log.exception("job_crashed", error=f"{type(exc).__name__}: {exc}")
+    message = (
+        f"unexpected failure ({type(exc).__name__}: {exc}); a rerun resumes; the traceback is in the "
+        "job_crashed log event"
+    )
+    print(error_line(RuntimeError(message)), file=sys.stderr)
+    return EXIT_FAILURE

@@ -31,6 +31,14 @@ class StorageError(JobError):
     """The output storage failed in a way retries did not fix."""
 
 
+class OutOfSpace(StorageError):
+    """A local disk (output, staging, shared memory) is full; committed work is kept."""
+
+
+class DamagedShard(JobError):
+    """A shard a manifest lists is missing, or its bytes differ from the manifest's record."""
+
+
 class Superseded(JobError):
     """The index's manifest was changed by another run since this run last wrote it."""
 

@@ -1,24 +1,37 @@
-"""``python -m job inspect PATH``: summarize a shard file or an output directory."""
+"""``python -m job inspect PATH [--verify]``: summarize a shard file or an output (local or on an
+object store). ``--verify`` checks every listed shard's size and CRC64NVME against its manifest
+(a single shard file: against the manifest beside it); any problem makes the command exit 1."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
-from job.checksum import crc64nvme_file
-from job.errors import ConfigError
-from job.shards import Shard, read_manifest
+from job.errors import ConfigError, DamagedShard
+from job.layout import MANIFEST
+from job.manifest import Manifest
+from job.shards import Shard
+from job.storage import open_shard_source, uri_scheme
+from job.storage.base import ShardSource
+from job.storage.local import check_local_shard
+
+SETTING = "inspect PATH"
 
 
-def inspect_path(path: str, verify: bool = False) -> str:
-    p = Path(path)
-    if p.is_file():
-        return _inspect_shard(p)
-    if p.is_dir():
-        return _inspect_output(p, verify)
-    raise ConfigError(f"inspect: {path} does not exist")
+@dataclass(frozen=True)
+class Report:
+    text: str
+    ok: bool  # False: a listed shard is missing or damaged
 
 
-def _inspect_shard(path: Path) -> str:
+def inspect_path(path: str, verify: bool = False) -> Report:
+    local = Path(path.removeprefix("file://")).expanduser() if uri_scheme(path) is None else None
+    if local is not None and local.is_file():
+        return _inspect_shard(local, verify)
+    return _inspect_output(open_shard_source(path, SETTING), verify)
+
+
+def _inspect_shard(path: Path, verify: bool) -> Report:
     try:
         shard = Shard(path)
     except Exception as exc:  # not safetensors, or not ours: say so instead of a traceback
@@ -35,6 +48,10 @@ def _inspect_shard(path: Path) -> str:
         f"backend          {meta['backend_info']}",
         f"work             index {meta['work_index']} of {meta['work_count']}, run {meta['run_id']}",
     ]
+    ok = True
+    if verify:
+        status, ok = _verify_against_manifest(path)
+        lines.append(f"verify           {status}")
     for sample in list(shard)[:5]:
         lines.append(
             f"  {sample.sample_id}: {sample.input_ids.shape[0]} tokens, "
@@ -42,40 +59,53 @@ def _inspect_shard(path: Path) -> str:
         )
     if len(shard) > 5:
         lines.append(f"  ... {len(shard) - 5} more")
-    return "\n".join(lines)
+    return Report("\n".join(lines), ok)
 
 
-def _inspect_output(root: Path, verify: bool) -> str:
-    index_dirs = sorted(d for d in root.glob("index-*") if d.is_dir())
-    if not index_dirs and (root / "manifest.json").is_file():
-        index_dirs = [root]
-    if not index_dirs:
-        raise ConfigError(f"inspect: {root} holds no index-* directories")
+def _verify_against_manifest(path: Path) -> tuple[str, bool]:
+    manifest_path = path.parent / MANIFEST
+    if not manifest_path.is_file():
+        return f"FAILED: no {MANIFEST} beside the shard to check it against", False
+    manifest = Manifest.from_bytes(manifest_path.read_bytes(), str(manifest_path))
+    entry = next((e for e in manifest.shards if e.name == path.name), None)
+    if entry is None:
+        return f"FAILED: {manifest_path} does not list {path.name} (an interrupted run's leftover)", False
+    try:
+        check_local_shard(path, entry, checksum=True)
+    except DamagedShard as exc:
+        return f"DAMAGED: {exc}", False
+    return f"checksum ok ({entry.checksum.algorithm} {entry.checksum.value})", True
+
+
+def _inspect_output(source: ShardSource, verify: bool) -> Report:
     lines = []
-    for d in index_dirs:
-        manifest = read_manifest(d)
+    ok = True
+    for index in source.indexes():
+        manifest = index.manifest
         if manifest is None:
-            lines.append(f"{d.name}: no manifest (nothing committed)")
+            lines.append(f"{index.name}: no manifest (nothing committed)")
             continue
         tokens = sum(s.num_tokens for s in manifest.shards)
         nbytes = sum(s.bytes for s in manifest.shards)
         c = manifest.counts
         lines.append(
-            f"{d.name}: {'complete' if manifest.complete else 'INCOMPLETE'}, {len(manifest.shards)} shards, "
+            f"{index.name}: {'complete' if manifest.complete else 'INCOMPLETE'}, "
+            f"{len(manifest.shards)} shards, "
             f"{c.written} samples ({c.truncated} truncated), {c.rejected} rejected, {tokens} tokens, "
             f"{nbytes / 1024**2:.1f} MiB, layers {manifest.identity.layer_ids}, backend "
             f"{manifest.backend.get('backend')}"
         )
         for entry in manifest.shards:
-            status = ""
-            if verify:
-                ok = crc64nvme_file(d / entry.name) == entry.checksum.value
-                status = "  checksum ok" if ok else "  CHECKSUM MISMATCH"
+            try:
+                source.check(index.name, entry, checksum=verify)
+                status = "  checksum ok" if verify else ""
+            except DamagedShard as exc:
+                status, ok = f"  DAMAGED: {exc}", False
             lines.append(
                 f"  {entry.name}: {entry.num_samples} samples, {entry.num_tokens} tokens, "
                 f"{entry.bytes} bytes, {entry.checksum.algorithm} {entry.checksum.value}{status}"
             )
-    return "\n".join(lines)
+    return Report("\n".join(lines), ok)
 
 
 def _one_line(exc: Exception) -> str:

@@ -7,6 +7,7 @@ and every string is scrubbed of the secret values found in the environment.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -61,6 +62,7 @@ class _FileTee:
         self._lock = threading.Lock()
         self._file: IO[str] | None = None
         self.path: Path | None = None
+        self.failed: str | None = None  # why the file stopped receiving events
 
     def open(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,22 +75,30 @@ class _FileTee:
             self.path = path
 
     def flush(self) -> None:
-        with self._lock:
+        with self._lock, contextlib.suppress(OSError):
             if self._file is not None:
                 self._file.flush()
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, contextlib.suppress(OSError):
             if self._file is not None:
                 self._file.close()
-            self._file = None
+        self._file = None
 
     def __call__(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
         if self._file is not None:
             line = json.dumps({k: v for k, v in event_dict.items() if not k.startswith("_")}, default=str)
             with self._lock:
                 if self._file is not None:
-                    self._file.write(line + "\n")
+                    try:
+                        self._file.write(line + "\n")
+                    except OSError as exc:
+                        # A full disk must not turn every log call into a crash: the events go on
+                        # to stdout, and the run's own error (if any) says what happened.
+                        self.failed = f"{self.path}: {exc.strerror}"
+                        with contextlib.suppress(OSError):
+                            self._file.close()
+                        self._file = None
         return event_dict
 
 
@@ -118,6 +128,8 @@ def configure_logging(settings: LogSettings, stream: IO[str] | None = None) -> N
         if use_console
         else structlog.processors.JSONRenderer(default=str)
     )
+    if use_console:  # the console renders text; the file and JSON keep the traceback as data
+        shared.append(_exception_as_text)
     structlog.configure(
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(level),
@@ -136,6 +148,21 @@ def configure_logging(settings: LogSettings, stream: IO[str] | None = None) -> N
     root.setLevel(max(level, logging.INFO))
     # vLLM installs its own handlers unless told not to; ours render its records.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+
+def _exception_as_text(_logger: Any, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """ConsoleRenderer wants the traceback as a string, not the list of dicts the log file holds."""
+    stack = event_dict.get("exception")
+    if isinstance(stack, list):
+        lines = []
+        for exc in stack:
+            for frame in exc.get("frames", []):
+                lines.append(
+                    f'  File "{frame.get("filename")}", line {frame.get("lineno")}, in {frame.get("name")}'
+                )
+            lines.append(f"{exc.get('exc_type')}: {exc.get('exc_value')}")
+        event_dict["exception"] = "\n".join(lines)
+    return event_dict
 
 
 def get_logger(**context: Any) -> Any:

@@ -36,6 +36,7 @@ class ModelInfo:
     hidden_size: int
     vocab_size: int
     dtype: str
+    max_positions: int | None  # max_position_embeddings, where the config states it
 
     def default_layer_ids(self) -> list[int]:
         return eagle3_default_layer_ids(self.num_layers)
@@ -91,7 +92,12 @@ def resolve_model(settings: ModelSettings) -> ModelInfo:
         hidden_size=hidden,
         vocab_size=vocab,
         dtype=settings.dtype,
+        max_positions=_int_or_none(text.get("max_position_embeddings")),
     )
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _resolve_path(settings: ModelSettings) -> Path:

@@ -92,6 +92,34 @@ class DataSettings(Section):
     prefetch_samples: PositiveInt = Field(
         2048, description="How many tokenized samples may wait ahead of the backend"
     )
+    max_rejected_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="An index that rejects more than this fraction of its samples (or writes none) ends "
+        "with exit 2 and a summary of the reasons instead of completing; 1 accepts any",
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _path_given(cls, value: str) -> str:
+        return _non_empty(value, "a JSONL/Parquet file or directory, or s3://bucket/prefix")
+
+
+# EngineArgs that the job sets from its own settings: engine_args may not override them unseen.
+SHADOWED_ENGINE_ARGS = {
+    "model": "model.path",
+    "tokenizer": "model.path",
+    "dtype": "model.dtype",
+    "revision": "model.revision",
+    "trust_remote_code": "model.trust_remote_code",
+    "tensor_parallel_size": "backend.tensor_parallel_size",
+    "max_num_batched_tokens": "backend.vllm.max_num_batched_tokens",
+    "max_num_seqs": "backend.vllm.max_num_seqs",
+    "gpu_memory_utilization": "backend.vllm.gpu_memory_utilization",
+    "max_model_len": "backend.vllm.max_model_len",
+    "attention_backend": "backend.vllm.attention_backend",
+}
 
 
 class VllmSettings(Section):
@@ -112,6 +140,17 @@ class VllmSettings(Section):
         4, ge=2, description="Host buffers (one step each) between the TP rank-0 worker and the writer"
     )
 
+    @field_validator("engine_args")
+    @classmethod
+    def _no_shadowed_settings(cls, value: dict[str, Any]) -> dict[str, Any]:
+        shadowed = {k: SHADOWED_ENGINE_ARGS[k] for k in value if k in SHADOWED_ENGINE_ARGS}
+        if shadowed:
+            settings = ", ".join(f"{k} -> {v}" for k, v in shadowed.items())
+            raise ValueError(
+                f"these engine arguments have settings of their own; set those instead: {settings}"
+            )
+        return value
+
     @field_validator("enforce_eager")
     @classmethod
     def _eager(cls, value: bool) -> bool:
@@ -129,6 +168,15 @@ class BackendSettings(Section):
     device: str = Field("auto", description="hf backend: cpu, cuda, cuda:N or auto")
     vllm: VllmSettings = Field(default_factory=VllmSettings)
 
+    @model_validator(mode="after")
+    def _hf_runs_one_device(self) -> BackendSettings:
+        if self.name == "hf" and self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"backend.tensor_parallel_size is {self.tensor_parallel_size}, but the hf backend runs the "
+                "model on one device; use backend.name=vllm for tensor parallelism"
+            )
+        return self
+
 
 MIN_PART_SIZE = 5 * 1024**2  # S3's smallest multipart part (the last part may be smaller)
 MAX_PART_SIZE = 5 * 1024**3
@@ -136,6 +184,19 @@ MAX_PART_SIZE = 5 * 1024**3
 
 class OutputSettings(Section):
     uri: str = Field("./out", description="Local path, file:// or s3://bucket/prefix URI")
+    parallel_uploads: PositiveInt = Field(
+        3, description="Object-store output: finished shards uploading at once (within max_staged_bytes)"
+    )
+    verify_on_resume: Literal["checksum", "size"] = Field(
+        "checksum",
+        description="What resume checks of every committed shard: checksum (local: read it once; object "
+        "stores: the stored full-object checksum, one HEAD each) or size only",
+    )
+    on_damaged_shard: Literal["stop", "reextract"] = Field(
+        "stop",
+        description="A committed shard that fails that check on resume: stop (exit 2, naming it) or "
+        "drop it from the manifest and extract its samples again",
+    )
     shard_bytes: ByteSize = Field(ByteSize(2 * 1024**3), description="Target shard size")
     writer_threads: PositiveInt = Field(4, description="Threads writing hidden-state rows into shards")
     staging_dir: str | None = Field(
@@ -163,6 +224,11 @@ class OutputSettings(Section):
         "at most 6.7% (typically 2.6%); the reader and the export decode it to the model dtype",
     )
 
+    @field_validator("uri")
+    @classmethod
+    def _uri_given(cls, value: str) -> str:
+        return _non_empty(value, "a local path, file:// or s3://bucket/prefix")
+
     @field_validator("shard_bytes")
     @classmethod
     def _min_shard(cls, value: ByteSize) -> ByteSize:
@@ -186,6 +252,12 @@ class OutputSettings(Section):
                 "shard; raise max_staged_bytes (3x shard_bytes or more) or lower shard_bytes"
             )
         return self
+
+
+def _non_empty(value: str, what: str) -> str:
+    if not value.strip():
+        raise ValueError(f"empty; give {what} (is an environment variable that should set it unset?)")
+    return value
 
 
 def _env_int(name: str, default: int) -> int:
@@ -326,21 +398,37 @@ def _check_env_typos(environ: Mapping[str, str]) -> None:
     a CI system's JOB_NAME) are none of the job's business.
     """
     prefix = "JOB_"
+    sections = [name for name, field in JobSettings.model_fields.items() if _is_section(field.annotation)]
     for name in environ:
         upper = name.upper()
-        if not upper.startswith(prefix) or "__" in upper:
+        if not upper.startswith(prefix):
+            continue
+        if "__" in upper:
+            # pydantic-settings ignores a nested name whose section does not exist
+            # (JOB_OUTPUTS__URI): the run would quietly keep the default.
+            section = upper[len(prefix) :].split("__", 1)[0].lower()
+            if section not in sections:
+                raise ConfigError(
+                    f"environment {name}: no settings section {section!r}; the sections are "
+                    f"{', '.join(sections)} (e.g. {prefix}OUTPUT__URI for output.uri)"
+                )
             continue
         rest = upper[len(prefix) :].lower()
         for section, field in JobSettings.model_fields.items():
             annotation = field.annotation
-            if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            if not _is_section(annotation):
                 continue
+            assert annotation is not None
             if rest.startswith(section + "_") and rest[len(section) + 1 :] in annotation.model_fields:
                 key = rest[len(section) + 1 :]
                 raise ConfigError(
                     f"environment {name}: not a setting; nested keys need a double underscore: "
                     f"{prefix}{section.upper()}__{key.upper()} (setting {section}.{key})"
                 )
+
+
+def _is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 def describe_validation_error(exc: ValidationError) -> str:

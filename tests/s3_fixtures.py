@@ -331,7 +331,14 @@ class Request:
         return {"PUT": "PutObject", "GET": "GetObject", "HEAD": "HeadObject"}.get(self.method, self.method)
 
 
-FAULTS = ("500", "503 SlowDown", "reset before forwarding", "reset after forwarding", "reset mid-response")
+FAULTS = (
+    "500",
+    "503 SlowDown",
+    "reset before forwarding",
+    "reset after forwarding",
+    "reset mid-response",
+    "truncated error body",
+)
 _ERROR_BODY = (
     '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message></Error>'
 )
@@ -343,8 +350,9 @@ class FaultProxy:
     ``fault_rate`` of the requests (seeded, so a run is repeatable) get one of FAULTS: an
     InternalError 500, a SlowDown 503, a connection reset before the request reaches S3, one
     after S3 has executed it (the client never learns that it succeeded), or one halfway through
-    the response body (past botocore's retries for streamed GETs); ``fault_for`` may choose one
-    for chosen requests instead. ``delay`` may slow
+    the response body (past botocore's retries for streamed GETs), or an error answer whose XML
+    body is cut off by a reset (botocore reads it outside its retries); ``fault_for`` may choose
+    one for chosen requests instead. ``delay`` may slow
     chosen requests; ``hold`` may block one forever (the job is killed meanwhile). Requests are
     passed on byte for byte, so their SigV4 signatures stay valid. It stops itself after
     ``lifetime_s``, whatever the test does.
@@ -410,14 +418,19 @@ class FaultProxy:
                         self.faults[fault] += 1
                 else:
                     fault = self._pick_fault()
-                if fault in ("500", "503 SlowDown"):
-                    code = "InternalError" if fault == "500" else "SlowDown"
+                if fault in ("500", "503 SlowDown", "truncated error body"):
+                    code = "SlowDown" if fault == "503 SlowDown" else "InternalError"
                     body = _ERROR_BODY.format(code=code, message="injected by the test proxy").encode()
-                    conn.sendall(
-                        f"HTTP/1.1 {fault[:3]} {code}\r\nContent-Type: application/xml\r\n"
-                        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                        + body
-                    )
+                    head = (
+                        f"HTTP/1.1 {'503' if code == 'SlowDown' else '500'} {code}\r\n"
+                        f"Content-Type: application/xml\r\nContent-Length: {len(body)}\r\n"
+                        "Connection: close\r\n\r\n"
+                    ).encode()
+                    if fault == "truncated error body":
+                        conn.sendall(head + body[:20])
+                        _reset(conn)
+                    else:
+                        conn.sendall(head + body)
                     return
                 if fault == "reset before forwarding":
                     _reset(conn)

@@ -127,6 +127,7 @@ def bad_run(
         f"--output.uri={out}",
         f"--data.max_length={MAX_LENGTH}",
         "--data.too_long=skip",
+        "--data.max_rejected_fraction=1",  # this data set is mostly bad on purpose
         # The secret inside a setting that is not secret-looking by name, so redaction
         # by key does not catch it: only the log scrubber (by value) can.
         '--backend.vllm.engine_args={"download_dir": "/models/' + SECRET + '"}',

@@ -126,13 +126,15 @@ def assert_exactly_once(out: Path, read_jsonl: Callable[[Path], list[dict[str, A
 def simulate_crash_before_manifest(index: Path) -> dict[str, Any]:
     """The state a crash between a shard's commit and the manifest rewrite leaves.
 
-    The last shard file is committed but unlisted; the manifest is the previous one
-    (incomplete, rejected not yet counted); rejected.jsonl is not yet published. Add
-    the debris other crash points leave: half-written files and a stray shard.
+    The shard holding the sample "long" is committed but unlisted, as if it had been the last
+    to commit (which shard commits last depends on the writer threads); the manifest is the
+    previous one (incomplete, rejected not yet counted); rejected.jsonl is not yet published.
+    Add the debris other crash points leave: half-written files and a stray shard.
     """
     path = index / "manifest.json"
     manifest = json.loads(path.read_text())
-    dropped = manifest["shards"].pop()
+    last = next(i for i, s in enumerate(manifest["shards"]) if "long" in s["sample_ids"])
+    dropped = manifest["shards"].pop(last)
     manifest["counts"]["written"] -= dropped["num_samples"]
     manifest["counts"]["truncated"] -= dropped["num_truncated"]
     manifest["counts"]["rejected"] = 0
@@ -162,8 +164,8 @@ def test_rerun_after_crash_before_manifest_write(
 ) -> None:
     out = copy_output(base, tmp_path)
     index = out / "index-00000"
-    kept = json.loads((index / "manifest.json").read_text())["shards"][:-1]
     dropped = simulate_crash_before_manifest(index)
+    kept = json.loads((index / "manifest.json").read_text())["shards"]
     assert "long" in dropped["sample_ids"]
 
     result = run_job("run", f"--output.uri={out}", *base["args"])

@@ -211,7 +211,7 @@ def test_store_survives_injected_faults(
     monkeypatch: pytest.MonkeyPatch, s3_env: None, s3: Any, bucket: str, fault_proxy: FaultProxy
 ) -> None:
     """Shards and manifests through ~20% of requests failing: 500, SlowDown, connection resets
-    before and after S3 ran the request, and mid-response."""
+    before and after S3 ran the request, mid-response, and error answers cut off mid-body."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.endpoint)
     fault_proxy.fault_rate = 0.2
     store = open_store(output(bucket, "store-faults", max_staged_bytes="64MiB", upload_threads=2), 0)
@@ -239,8 +239,34 @@ def test_store_survives_injected_faults(
         f"\nstore under faults: {len(fault_proxy.requests)} requests, {dict(fault_proxy.faults)}, "
         f"{retries} botocore retries"
     )
-    assert injected >= 10 and len(fault_proxy.faults) >= 4
+    assert injected >= 10 and len(fault_proxy.faults) >= 5
+    assert fault_proxy.faults["truncated error body"] > 0
     assert retries > 0
+
+
+def test_a_truncated_error_body_is_retried(
+    monkeypatch: pytest.MonkeyPatch, s3_env: None, s3: Any, bucket: str, fault_proxy: FaultProxy
+) -> None:
+    """The first manifest read of a new index (a 404) answered with an error body cut off by a
+    reset: botocore raises urllib3's ProtocolError outside its own retries; the store asks again."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.endpoint)
+    cut: list[str] = []
+
+    def cut_first_manifest_read(request: Any) -> str | None:
+        if request.operation == "GetObject" and request.path.endswith("manifest.json") and not cut:
+            cut.append(request.path)
+            return "truncated error body"
+        return None
+
+    fault_proxy.fault_for = cut_first_manifest_read
+    store = open_store(output(bucket, "store-truncated"), 0)
+    try:
+        assert store.read_manifest() == (None, None)
+    finally:
+        store.close()
+    assert fault_proxy.faults["truncated error body"] == 1
+    gets = [r for r in fault_proxy.requests if r.operation == "GetObject"]
+    assert len(gets) == 2
 
 
 def test_s3_input_files_list_and_read(

@@ -265,9 +265,20 @@ def test_inspect_verify_finds_a_corrupted_shard(
     data[-100] ^= 0xFF  # one bit pattern in the hidden states
     path.write_bytes(bytes(data))
     result = run_job("inspect", str(copy), "--verify")
-    assert result.rc == 0, result.describe()
-    bad = [line for line in result.stdout.splitlines() if "CHECKSUM MISMATCH" in line]
-    assert len(bad) == 1 and victim in bad[0]
+    assert result.rc == 1, result.describe()  # a damaged shard fails the check
+    bad = [line for line in result.stdout.splitlines() if "DAMAGED" in line]
+    assert len(bad) == 1 and victim in bad[0] and "differs from the manifest's" in bad[0]
+    # One shard file, checked against the manifest beside it.
+    result = run_job("inspect", str(path), "--verify")
+    assert result.rc == 1 and "verify           DAMAGED" in result.stdout, result.describe()
+    good = copy / "index-00000" / run["manifest"].shards[0].name
+    result = run_job("inspect", str(good), "--verify")
+    assert result.rc == 0 and "verify           checksum ok" in result.stdout, result.describe()
+    # A listed shard that is gone: a line saying so, exit 1, no traceback.
+    good.unlink()
+    result = run_job("inspect", str(copy))
+    assert result.rc == 1 and "listed in index-00000/manifest.json but missing" in result.stdout
+    assert "Traceback" not in result.stderr
 
 
 def test_inspect_shard_file(run: dict[str, Any], run_job: Callable[..., Any]) -> None:

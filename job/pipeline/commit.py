@@ -9,9 +9,9 @@ unlisted shard that the next run discards, so no sample is ever listed twice or 
 from __future__ import annotations
 
 import os
-import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -25,10 +25,11 @@ from job.shards.writer import FinishedShard, ShardContext, ShardWriter
 from job.storage.base import IndexStore
 from job.storage.staging import StagedShard, StagingArea
 
-_STOP = object()
-
 
 class Committer:
+    """``workers`` shards are committed at once (uploads overlap on object stores); the manifest
+    is rewritten after each, one rewrite at a time."""
+
     def __init__(
         self,
         store: IndexStore,
@@ -37,6 +38,7 @@ class Committer:
         context: ShardContext,
         on_rejected: Callable[[str, str], None],
         log: Any,
+        workers: int = 1,
     ) -> None:
         self.store = store
         self.manifest = manifest
@@ -44,22 +46,19 @@ class Committer:
         self._context = context
         self._on_rejected = on_rejected
         self._log = log
-        self._queue: queue.Queue[object] = queue.Queue()
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="shard-committer")
         self._lock = threading.Lock()
         self.error: BaseException | None = None
         self.committed_samples = 0
         self.direct_io_bytes = 0  # of the shards committed by this run
-        self._thread = threading.Thread(target=self._run, name="shard-committer", daemon=True)
-        self._thread.start()
 
     def submit(self, finished: FinishedShard) -> None:
-        self._queue.put(finished)
+        """Commit a finished shard in the background (any thread)."""
+        self._pool.submit(self._run, finished)
 
     def close(self) -> None:
         """Finish every submitted shard, then stop; raises the first commit error."""
-        if self._thread.is_alive():
-            self._queue.put(_STOP)
-            self._thread.join()
+        self._pool.shutdown(wait=True)
         self.store.drain()
         if self.error is not None:
             raise self.error
@@ -71,18 +70,16 @@ class Committer:
             self.manifest.complete = complete
             self._version = self.store.write_manifest(self.manifest.to_bytes(), self._version)
 
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not _STOP:
-            assert isinstance(item, FinishedShard)
-            try:
-                if self.error is None:
-                    self._commit(item)
-                    continue
-            except BaseException as exc:
-                self.error = exc
-            # The run is failing: drop the shard and free its staging space, so that extraction
-            # waiting for that space wakes up and sees the error.
-            item.staged.discard()
+    def _run(self, finished: FinishedShard) -> None:
+        try:
+            if self.error is None:
+                self._commit(finished)
+                return
+        except BaseException as exc:
+            self.error = self.error or exc
+        # The run is failing: drop the shard and free its staging space, so that extraction
+        # waiting for that space wakes up and sees the error.
+        finished.staged.discard()
 
     def _commit(self, finished: FinishedShard) -> None:
         plan, checksum = finished.plan, finished.checksum

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +19,24 @@ class Rejections:
         self._lock = threading.Lock()
         self._log = log
         self.count = 0
+        self.reasons: Counter[str] = Counter()
 
     def add(self, sample_id: str, reason: str) -> None:
         """Record one rejected sample (any thread)."""
         with self._lock:
             self.count += 1
+            self.reasons[reason] += 1
             self._file.write(
                 json.dumps({"sample_id": sample_id, "reason": reason}, ensure_ascii=False) + "\n"
             )
         self._log.warning("sample_rejected", sample_id=sample_id, reason=reason)
+
+    def most_common(self, n: int = 3, width: int = 160) -> str:
+        """The ``n`` most frequent reasons, each shortened to ``width`` characters, with counts."""
+        return "; ".join(
+            f"{count} x {reason if len(reason) <= width else reason[: width - 3] + '...'}"
+            for reason, count in self.reasons.most_common(n)
+        )
 
     def publish(self, store: IndexStore) -> None:
         self.close()

@@ -1,19 +1,22 @@
 """Resume: what an index already holds, and a clean slate for everything else.
 
-The manifest is the only record of what exists. A listed shard's samples are skipped by
-this run; anything unlisted (an interrupted run's leftovers) is discarded where the store
-allows it (local) or left alone and never read (object stores), and new shards take
-numbers above every name present.
+The manifest is the only record of what exists. A listed shard is checked against it
+(output.verify_on_resume) and its samples are skipped by this run; anything unlisted (an
+interrupted run's leftovers) is discarded where the store allows it (local) or left alone
+and never read (object stores), and new shards take numbers above every name present.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from job.errors import ConfigError, DamagedShard
 from job.layout import MANIFEST, REJECTED, is_log, shard_number
 from job.manifest import Manifest
 from job.model import LAYER_CONVENTION
 from job.pipeline.setup import RunSetup
+from job.settings import OutputSettings
 from job.storage.base import IndexStore
 
 
@@ -25,7 +28,7 @@ class Resumed:
     written_before: int  # samples committed by earlier runs
 
 
-def resume(setup: RunSetup, store: IndexStore) -> Resumed:
+def resume(setup: RunSetup, store: IndexStore, log: Any) -> Resumed:
     data, version = store.read_manifest()
     if data is not None:
         manifest = Manifest.from_bytes(data, store.location)
@@ -42,6 +45,8 @@ def resume(setup: RunSetup, store: IndexStore) -> Resumed:
             final_layer_prenorm=True,
             backend={},
         )
+    if not manifest.complete:
+        _check_committed(manifest, store, setup.settings.output, log)
     names = store.list_names() if not manifest.complete else []
     keep = {s.name for s in manifest.shards} | {MANIFEST, REJECTED}
     for name in names:
@@ -49,3 +54,27 @@ def resume(setup: RunSetup, store: IndexStore) -> Resumed:
             store.discard(name)
     next_number = max((n for name in names if (n := shard_number(name)) is not None), default=-1) + 1
     return Resumed(manifest, version, next_number, manifest.counts.written)
+
+
+def _check_committed(manifest: Manifest, store: IndexStore, output: OutputSettings, log: Any) -> None:
+    """Every committed shard must still be what its manifest says (output.verify_on_resume); a
+    damaged one stops the run, or with output.on_damaged_shard=reextract is dropped from the
+    manifest (its samples are extracted again; a local file is deleted with the leftovers)."""
+    damaged = []
+    for entry in manifest.shards:
+        try:
+            store.check_committed(entry, checksum=output.verify_on_resume == "checksum")
+        except DamagedShard as exc:
+            damaged.append((entry, str(exc)))
+    if not damaged:
+        return
+    if output.on_damaged_shard == "stop":
+        raise ConfigError(
+            f"{len(damaged)} committed shard(s) of {store.location} no longer match the manifest: "
+            f"{damaged[0][1]}; set output.on_damaged_shard=reextract to extract their samples again"
+        )
+    for entry, problem in damaged:
+        manifest.shards.remove(entry)
+        manifest.counts.written -= entry.num_samples
+        manifest.counts.truncated -= entry.num_truncated
+        log.warning("damaged_shard_dropped", shard=entry.name, samples=entry.num_samples, problem=problem)

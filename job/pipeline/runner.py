@@ -10,25 +10,24 @@ whatever happens, and the run's log is shipped last.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from job.backends import Backend, BackendInput, create_backend
+from job.backends import Backend, create_backend
 from job.data.source import read_records
 from job.data.stream import EncodedStream
-from job.errors import JobError, Terminated
+from job.errors import ConfigError, JobError, Terminated
 from job.layout import REJECTED, log_name
 from job.logs import get_logger, log_file
 from job.pipeline.commit import Committer
-from job.pipeline.feed import backend_inputs
+from job.pipeline.feed import BackendFeed
 from job.pipeline.rejections import Rejections
 from job.pipeline.resume import Resumed, resume
 from job.pipeline.routing import ChunkRouter
 from job.pipeline.setup import RunSetup, new_run_id, prepare_run
 from job.pipeline.stop import StopFlag
-from job.progress import Progress
+from job.progress import Progress, Snapshot
 from job.settings import JobSettings, settings_dump
 from job.shards.planner import ShardPlanner
 from job.shards.writer import ShardContext, ShardWriter
@@ -44,11 +43,12 @@ def run_job(settings: JobSettings, backend: Backend | None = None) -> dict[str, 
     setup = prepare_run(settings)
     # Graceful from here on: opening the store may already write to the output (a lock).
     with StopFlag() as stop, open_index_store(settings.output, settings.work.index) as store:
-        resumed = resume(setup, store)
+        resumed = resume(setup, store, log)
         if resumed.manifest.complete:
             counts = resumed.manifest.counts
             log.info("index_already_complete", location=store.location, written=counts.written)
-            return {"status": "already_complete", **counts.model_dump()}
+            summary = f"done: index {settings.work.index} was already complete at {store.location}"
+            return {"status": "already_complete", **counts.model_dump(), "summary": summary}
         return IndexRun(setup, store, resumed, run_id, log, stop, backend).run()
 
 
@@ -56,7 +56,7 @@ def run_job(settings: JobSettings, backend: Backend | None = None) -> dict[str, 
 class _Wiring:
     stream: EncodedStream
     backend: Backend
-    inputs: Iterator[BackendInput | None]
+    inputs: BackendFeed
     writer: ShardWriter
     router: ChunkRouter
     committer: Committer
@@ -150,7 +150,10 @@ class IndexRun:
             setup.dtype,
             setup.shard_metadata(backend.info, self.run_id),
         )
-        committer = Committer(self.store, manifest, self.resumed.version, context, rejections.add, self.log)
+        uploads = 1 if self.store.staging_is_output else settings.output.parallel_uploads
+        committer = Committer(
+            self.store, manifest, self.resumed.version, context, rejections.add, self.log, workers=uploads
+        )
         cleanup.callback(self._close_committer_if_failed, committer)
         committer.write_manifest()
         writer = ShardWriter(context, committer.submit, direct_io=self.store.staging_is_output)
@@ -160,9 +163,39 @@ class IndexRun:
         planner = ShardPlanner(
             int(settings.output.shard_bytes), setup.bytes_per_token, self.resumed.next_shard_number
         )
-        inputs = backend_inputs(stream.accepted(rejections.add), planner, writer, self.store, self.stop)
-        progress = Progress(self.log, settings.log.progress_interval_s, sum(f.size for f in setup.files))
+        inputs = BackendFeed(stream.accepted(rejections.add), planner, writer, self.store, self.stop)
+        progress = Progress(self.log, settings.log.progress_interval_s)
+        cleanup.callback(progress.close)
         return _Wiring(stream, backend, inputs, writer, router, committer, rejections, progress)
+
+    def _check_rejections(self, w: _Wiring, records: int, owned: int) -> None:
+        """A run that wrote nothing, or rejected more than data.max_rejected_fraction, stops with exit
+        2 instead of completing: the data or a setting is wrong, and no retry can help."""
+        data, rejected = self.setup.settings.data, w.rejections.count
+        where = f"rejected.jsonl ({self.store.location}/{REJECTED})"
+        if records == 0:
+            raise ConfigError(f"data.path {data.path}: the input holds no records at all")
+        if owned == 0:
+            self.log.warning(
+                "index_owns_no_samples", records=records, work_count=self.setup.settings.work.count
+            )
+            return
+        written = self.resumed.manifest.counts.written
+        if written == 0 or rejected / owned > data.max_rejected_fraction:
+            w.committer.write_manifest(complete=False, rejected=rejected)
+            self.log.error("too_many_rejected", owned=owned, rejected=rejected, written=written)
+            self.status = "rejected"
+            what = (
+                "none was written"
+                if written == 0
+                else f"more than data.max_rejected_fraction {data.max_rejected_fraction}"
+            )
+            raise ConfigError(
+                f"{rejected} of the {owned} samples of index {self.setup.settings.work.index} were rejected "
+                f"({what}); most common reasons: {w.rejections.most_common()}; every one is in {where}. "
+                "Fix the data or settings (data.format, data.chat_template, model.path), or raise "
+                "data.max_rejected_fraction to accept it"
+            )
 
     def _close_committer_if_failed(self, committer: Committer) -> None:
         if self.status != "failed":
@@ -175,14 +208,19 @@ class IndexRun:
     def _extract(self, w: _Wiring) -> float:
         """Run the backend over every input; returns its seconds (to its last rows)."""
         started = time.monotonic()
-        for chunk in w.backend.extract(w.inputs):
+        input_bytes = max(sum(f.size for f in self.setup.files), 1)
+        for chunk in w.backend.extract(iter(w.inputs)):
             w.router(chunk)
             w.progress.maybe_report(
-                w.router.tokens,
-                w.router.samples,
-                w.stream.stats.bytes_done,
-                w.committer.committed_samples,
-                w.rejections.count,
+                Snapshot(
+                    extracted_tokens=w.router.tokens,
+                    extracted_samples=w.router.samples,
+                    planned_tokens=w.inputs.planned_tokens,
+                    input_fraction=min(w.stream.stats.bytes_done / input_bytes, 1.0),
+                    all_planned=w.inputs.all_planned,
+                    written=w.committer.committed_samples,
+                    rejected=w.rejections.count,
+                )
             )
             for error in (w.router.error, w.committer.error):
                 if error is not None:
@@ -209,7 +247,8 @@ class IndexRun:
         raise Terminated(f"stopped by {self.stop.signal_name}; committed shards are listed, a rerun resumes")
 
     def _finish(self, w: _Wiring, extract_started: float, backend_seconds: float) -> dict[str, Any]:
-        """Check that every owned sample is accounted for, then mark the index complete."""
+        """Check that every owned sample is accounted for and that the data was usable, then mark
+        the index complete."""
         manifest, stats = self.resumed.manifest, w.stream.stats
         written_now = manifest.counts.written - self.resumed.written_before
         accounted = stats.skipped_done + written_now + w.rejections.count
@@ -219,6 +258,7 @@ class IndexRun:
                 "written, resumed or rejected"
             )
         w.rejections.publish(self.store)
+        self._check_rejections(w, stats.records_seen, stats.owned)
         w.committer.write_manifest(complete=True, rejected=w.rejections.count)
         self.status = "complete"
         now = time.monotonic()
@@ -241,4 +281,9 @@ class IndexRun:
             "direct_io_bytes": w.committer.direct_io_bytes,
         }
         self.log.info("run_finished", **totals)
+        totals["summary"] = (
+            f"done: index {self.setup.settings.work.index} complete at {self.store.location}: "
+            f"{totals['written']} samples written ({written_now} this run), {totals['rejected']} rejected "
+            f"(listed in {self.store.location}/{REJECTED}), {totals['shards']} shards"
+        )
         return totals

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import secrets
 import time
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 from job.data.encode import EncoderSpec, read_chat_template
 from job.data.source import InputFile, data_fingerprint, list_input_files
+from job.errors import ConfigError
 from job.hidden_dtype import HiddenDtype, stored_dtype
 from job.manifest import Identity
 from job.model import LAYER_CONVENTION, ModelInfo, resolve_model
@@ -81,8 +83,39 @@ class RunSetup:
         }
 
 
+def check_backend(settings: JobSettings, model: ModelInfo) -> None:
+    """Mistakes no retry can fix, found before any sample is read: exit 2 with the setting named."""
+    backend = settings.backend
+    if backend.name == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "backend.name is vllm, but vLLM is not installed in this environment; use the container "
+            "image (it brings vLLM), install vLLM, or set backend.name=hf"
+        )
+    if backend.name == "hf" and backend.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"backend.device is {backend.device}, but torch sees no CUDA device here; "
+                "use backend.device=cpu (or auto)"
+            )
+    context = model.max_positions
+    if context is not None and settings.data.max_length > context:
+        raise ConfigError(
+            f"data.max_length {settings.data.max_length} exceeds the {context} positions {model.name} was "
+            f"built for (max_position_embeddings); set data.max_length to {context} or less"
+        )
+    limit = backend.vllm.max_model_len
+    if backend.name == "vllm" and limit is not None and limit < settings.data.max_length:
+        raise ConfigError(
+            f"backend.vllm.max_model_len {limit} is below data.max_length {settings.data.max_length}: "
+            "samples that long could never be scheduled; raise it or lower data.max_length"
+        )
+
+
 def prepare_run(settings: JobSettings) -> RunSetup:
     model = resolve_model(settings.model)
+    check_backend(settings, model)
     layer_ids = model.resolve_layer_ids(settings.layers.ids)
     files = list_input_files(settings.data.path)
     template = read_chat_template(settings.data.chat_template)

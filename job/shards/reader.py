@@ -1,7 +1,9 @@
 """Read shards: ``open_shard(path)`` and ``iter_output(dir)``.
 
 Only shards listed in an index's manifest are read; anything else in the
-directory is an interrupted run's leftover and is ignored.
+directory is an interrupted run's leftover and is ignored. ``iter_output``
+checks each shard against the manifest's size and CRC64NVME before reading it
+(DamagedShard names the shard otherwise); ``verify=False`` skips the checksum.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from job.hidden_dtype import hidden_dtype
 from job.layout import MANIFEST
 from job.manifest import Manifest
 from job.shards.format import FORMAT_VERSION
+from job.storage.local import LocalShardSource
 
 
 @dataclass(frozen=True)
@@ -92,13 +95,17 @@ def read_manifest(index_dir: str | Path) -> Manifest | None:
     return Manifest.from_bytes(path.read_bytes(), str(path))
 
 
-def iter_output(output_dir: str | Path, require_complete: bool = False) -> Iterator[Sample]:
-    """Samples of every shard listed in the manifests under ``output_dir``."""
-    for index_dir in sorted(Path(output_dir).glob("index-*")):
-        manifest = read_manifest(index_dir)
-        if manifest is None:
+def iter_output(
+    output_dir: str | Path, require_complete: bool = False, verify: bool = True
+) -> Iterator[Sample]:
+    """Samples of every shard listed in the manifests under ``output_dir`` (an output directory
+    or one index directory)."""
+    source = LocalShardSource(Path(output_dir), verify, "iter_output")
+    for index in source.indexes():
+        if index.manifest is None:
             continue
-        if require_complete and not manifest.complete:
-            raise ValueError(f"{index_dir}: manifest is not complete")
-        for entry in manifest.shards:
-            yield from Shard(index_dir / entry.name)
+        if require_complete and not index.manifest.complete:
+            raise ValueError(f"{output_dir}/{index.name}: manifest is not complete")
+        for entry in index.manifest.shards:
+            with source.fetch(index.name, entry) as path:
+                yield from Shard(path)

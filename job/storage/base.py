@@ -67,6 +67,12 @@ class IndexStore(ABC):
         discarded (its space given back) whether or not this succeeds."""
 
     @abstractmethod
+    def check_committed(self, entry: ShardEntry, checksum: bool) -> None:
+        """Raise DamagedShard unless committed shard ``entry`` is present with the manifest's size
+        and, with ``checksum``, its CRC64NVME (local: the file is read; object stores: the
+        checksum the store recorded is asked for)."""
+
+    @abstractmethod
     def discard(self, name: str) -> None:
         """Remove an object that no manifest lists, where the store allows it."""
 
@@ -116,3 +122,8 @@ class ShardSource(ABC):
     def fetch(self, index: str, entry: ShardEntry) -> AbstractContextManager[Path]:
         """A local file holding shard ``entry``, checked against the manifest's checksum where the
         source verifies, for as long as the context lasts."""
+
+    @abstractmethod
+    def check(self, index: str, entry: ShardEntry, checksum: bool = True) -> None:
+        """Raise DamagedShard (naming the shard and what is wrong) unless shard ``entry`` is present
+        with the manifest's size and, with ``checksum``, its CRC64NVME."""

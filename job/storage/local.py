@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import IO
 
 from job.checksum import crc64nvme_file
-from job.errors import ConfigError, JobError
+from job.errors import ConfigError, DamagedShard
 from job.layout import MANIFEST, PARTIAL, index_dir_name
 from job.manifest import ShardEntry
 from job.storage.base import CommittedShard, IndexStore, ShardSource, SourceIndex
@@ -89,6 +89,9 @@ class LocalIndexStore(IndexStore):
         finally:
             staged.discard()
 
+    def check_committed(self, entry: ShardEntry, checksum: bool) -> None:
+        check_local_shard(self.directory / entry.name, entry, checksum)
+
     def discard(self, name: str) -> None:
         (self.directory / name).unlink(missing_ok=True)
 
@@ -120,12 +123,16 @@ class LocalIndexStore(IndexStore):
 
 class LocalShardSource(ShardSource):
     def __init__(self, root: Path, verify: bool, setting: str) -> None:
+        if not root.exists():
+            raise ConfigError(f"{setting} {root}: does not exist")
         if not root.is_dir():
             raise ConfigError(f"{setting} {root}: not a directory (give an output directory or one index-*)")
         self.location = str(root)
         self.verify = verify
         dirs = sorted(d for d in root.glob("index-*") if d.is_dir())
         self.single_index = not dirs and (root / MANIFEST).is_file()
+        if not dirs and not self.single_index:
+            raise ConfigError(f"{setting} {root}: holds no index-* directories and no {MANIFEST}")
         self._dirs = {root.name: root} if self.single_index else {d.name: d for d in dirs}
 
     def indexes(self) -> list[SourceIndex]:
@@ -138,18 +145,34 @@ class LocalShardSource(ShardSource):
     def _listed(self, index: str, entry: ShardEntry) -> Path:
         path = self._dirs[index] / entry.name
         if not path.is_file():
-            raise JobError(f"{path}: listed in {index}/{MANIFEST} but missing")
+            raise DamagedShard(f"{path}: listed in {index}/{MANIFEST} but missing")
         return path
 
     def open_stream(self, index: str, entry: ShardEntry) -> IO[bytes]:
         return self._listed(index, entry).open("rb")
 
+    def check(self, index: str, entry: ShardEntry, checksum: bool = True) -> None:
+        check_local_shard(self._listed(index, entry), entry, checksum)
+
     @contextmanager
     def fetch(self, index: str, entry: ShardEntry) -> Iterator[Path]:
         path = self._listed(index, entry)
-        if self.verify and (actual := crc64nvme_file(path)) != entry.checksum.value:
-            raise JobError(
-                f"{path}: checksum {actual} differs from the manifest's {entry.checksum.value}; "
-                "the shard is damaged: re-run that index into a new output"
-            )
+        if self.verify:
+            check_local_shard(path, entry, checksum=True)
         yield path
+
+
+def check_local_shard(path: Path, entry: ShardEntry, checksum: bool) -> None:
+    """DamagedShard unless ``path`` has the manifest entry's size (and CRC64NVME)."""
+    size = path.stat().st_size if path.is_file() else None
+    if size is None:
+        raise DamagedShard(f"{path}: listed in the manifest but missing")
+    if size != entry.bytes:
+        raise DamagedShard(
+            f"{path}: {size} bytes, but the manifest lists {entry.bytes}; the shard is damaged"
+        )
+    if checksum and (actual := crc64nvme_file(path)) != entry.checksum.value:
+        raise DamagedShard(
+            f"{path}: checksum {actual} differs from the manifest's {entry.checksum.value}; "
+            "the shard is damaged"
+        )

@@ -26,7 +26,7 @@ from typing import IO
 from awscrt.checksums import crc64nvme
 
 from job.checksum import encode
-from job.errors import ConfigError, JobError, StorageError, Superseded
+from job.errors import ConfigError, DamagedShard, JobError, StorageError, Superseded
 from job.layout import MANIFEST, index_dir_name, is_log, shard_name, shard_number
 from job.logs import get_logger
 from job.manifest import ShardEntry
@@ -182,6 +182,23 @@ class ObjectIndexStore(IndexStore):
             self._taken.add(number)
         return shard_name(number)
 
+    def check_committed(self, entry: ShardEntry, checksum: bool) -> None:
+        key = self.prefix + entry.name
+        stored = self.transport.stored_crc64nvme(key)
+        if stored is None:
+            raise DamagedShard(f"{self.transport.url(key)}: listed in the manifest but missing")
+        crc, size = stored
+        if size != entry.bytes:
+            raise DamagedShard(
+                f"{self.transport.url(key)}: {size} bytes, but the manifest lists {entry.bytes}; "
+                "the shard is damaged"
+            )
+        if checksum and crc != entry.checksum.value:
+            raise DamagedShard(
+                f"{self.transport.url(key)}: the store records checksum {crc}, the manifest "
+                f"{entry.checksum.value}; the shard is damaged"
+            )
+
     def discard(self, name: str) -> None:
         """Unlisted objects stay: a run that lost the index may still be finishing them, and
         keys are never reused, so they are harmless (an AbortIncompleteMultipartUpload and
@@ -305,12 +322,39 @@ class ObjectShardSource(ShardSource):
 
     def _listed(self, index: str, entry: ShardEntry) -> ObjectInfo:
         key = self._bases[index] + entry.name
-        if key not in self._objects:
-            raise JobError(f"{self.transport.url(key)}: listed in {index}/{MANIFEST} but missing")
-        return self._objects[key]
+        info = self._objects.get(key)
+        if info is None:
+            raise DamagedShard(f"{self.transport.url(key)}: listed in {index}/{MANIFEST} but missing")
+        if info.size != entry.bytes:
+            raise DamagedShard(
+                f"{self.transport.url(key)}: {info.size} bytes, but the manifest lists {entry.bytes}; "
+                "the shard is damaged"
+            )
+        return info
 
     def open_stream(self, index: str, entry: ShardEntry) -> IO[bytes]:
         return self.transport.open_reader(self._listed(index, entry))
+
+    def check(self, index: str, entry: ShardEntry, checksum: bool = True) -> None:
+        info = self._listed(index, entry)
+        if checksum:
+            self._copy_checked(info, entry, None)
+
+    def _copy_checked(self, info: ObjectInfo, entry: ShardEntry, out: IO[bytes] | None) -> None:
+        """Stream the object (into ``out``), computing its CRC64NVME on the way."""
+        crc = 0
+        with self.transport.open_reader(info) as reader:
+            buffer = bytearray(_CHUNK)
+            view = memoryview(buffer)
+            while n := reader.readinto(buffer):
+                if out is not None:
+                    out.write(view[:n])
+                crc = crc64nvme(view[:n], crc)
+        if encode(crc) != entry.checksum.value:
+            raise DamagedShard(
+                f"{self.transport.url(info.key)}: checksum {encode(crc)} differs from the manifest's "
+                f"{entry.checksum.value}; the shard is damaged"
+            )
 
     @contextmanager
     def fetch(self, index: str, entry: ShardEntry) -> Iterator[Path]:
@@ -318,18 +362,8 @@ class ObjectShardSource(ShardSource):
         directory = Path(tempfile.mkdtemp(prefix="eagle3-fetch-"))
         try:
             path = directory / entry.name
-            crc = 0
-            with self.transport.open_reader(info) as reader, path.open("wb") as out:
-                buffer = bytearray(_CHUNK)
-                view = memoryview(buffer)
-                while n := reader.readinto(buffer):
-                    out.write(view[:n])
-                    crc = crc64nvme(view[:n], crc)
-            if encode(crc) != entry.checksum.value:
-                raise JobError(
-                    f"{self.transport.url(info.key)}: checksum {encode(crc)} differs from the manifest's "
-                    f"{entry.checksum.value}; the shard is damaged: re-run that index"
-                )
+            with path.open("wb") as out:
+                self._copy_checked(info, entry, out)
             yield path
         finally:
             shutil.rmtree(directory, ignore_errors=True)

@@ -16,20 +16,29 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import io
 import os
 import random
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import boto3
+import urllib3.exceptions
 from botocore.client import BaseClient
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError, PartialCredentialsError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    IncompleteReadError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ResponseStreamingError,
+)
 from s3transfer.manager import TransferConfig, TransferManager
 
 from job.errors import ConfigError, JobError, StorageError
@@ -40,7 +49,18 @@ from job.storage.transport import ObjectExists, ObjectInfo, ObjectTransport, Pre
 # errors with exponential backoff and full jitter.
 RETRY_MODE = "standard"
 MAX_ATTEMPTS = 10
-_READ_ATTEMPTS = 5  # GETs whose body broke off (after botocore's retries, which end at the headers)
+# botocore retries what fails before a response arrives, and 5xx/throttling answers; a connection
+# that breaks while it reads a response body (a truncated error body, a GET cut short) escapes it,
+# as urllib3/http.client errors or these: such calls are made again here, this many times.
+_ATTEMPTS = 5
+_BROKEN_RESPONSE = (
+    urllib3.exceptions.HTTPError,
+    http.client.HTTPException,
+    ConnectionError,
+    ResponseStreamingError,
+    IncompleteReadError,
+)
+_T = TypeVar("_T")
 DEFAULT_PART_SIZE = 64 * 1024**2
 _CREDENTIAL_ERRORS = {
     "InvalidAccessKeyId",
@@ -167,64 +187,85 @@ class S3Transport(ObjectTransport):
         except (ClientError, BotoCoreError) as exc:
             raise _translate(exc, self.setting, self.bucket, action) from None
 
+    def _retrying(self, action: str, call: Callable[[], _T]) -> _T:
+        """``call()`` with S3's errors translated, made again when its response broke off."""
+        broken: Exception | None = None
+        for attempt in range(_ATTEMPTS):
+            with self._errors(action):
+                try:
+                    return call()
+                except _BROKEN_RESPONSE as exc:
+                    broken = exc
+            _backoff(attempt)
+        raise StorageError(
+            f"{self.setting}: {action} failed: the response broke off {_ATTEMPTS} times "
+            f"({type(broken).__name__}: {broken})"
+        )
+
     @property
     def retries(self) -> int:
         return self._counter.retries
 
     def check_access(self, prefix: str, write: bool) -> None:
         where = self.url(prefix)
-        with self._errors(f"listing {where}"):
-            self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=1)
-            if write:  # the new owner's clean-up needs it (s3:ListBucketMultipartUploads)
-                self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix, MaxUploads=1)
+        self._retrying(
+            f"listing {where}",
+            lambda: self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=1),
+        )
         if not write:
             return
+        # The new owner's clean-up needs it (s3:ListBucketMultipartUploads).
+        self._retrying(
+            f"listing uploads under {where}",
+            lambda: self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix, MaxUploads=1),
+        )
         # Creating and aborting a multipart upload proves s3:PutObject and s3:AbortMultipartUpload
         # without creating an object. A create whose response was lost and retried leaves a second
-        # upload to the same (random) key: every upload to it is aborted.
+        # upload to the same (random) key: every upload to it is aborted. One that a kill left
+        # behind lies under the index's prefix, where its next owner aborts it.
         probe = f"{prefix}.write-probe-{secrets.token_hex(4)}"
-        with self._errors(f"writing under {where}"):
-            self._client.create_multipart_upload(Bucket=self.bucket, Key=probe)
-        with self._errors(f"aborting a multipart upload under {where}"):
-            self.abort_uploads(probe, {probe})
+        self._retrying(
+            f"writing under {where}",
+            lambda: self._client.create_multipart_upload(Bucket=self.bucket, Key=probe),
+        )
+        self.abort_uploads(probe, {probe})
 
     def list(self, prefix: str) -> list[ObjectInfo]:
-        found = []
-        with self._errors(f"listing {self.url(prefix)}"):
+        def pages() -> list[ObjectInfo]:
+            found = []
             for page in self._client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=prefix
             ):
                 found.extend(
                     ObjectInfo(obj["Key"], int(obj["Size"]), obj["ETag"]) for obj in page.get("Contents", [])
                 )
-        return sorted(found, key=lambda info: info.key)
+            return found
+
+        return sorted(self._retrying(f"listing {self.url(prefix)}", pages), key=lambda info: info.key)
 
     def head(self, key: str) -> ObjectInfo | None:
-        with self._errors(f"reading {self.url(key)}"):
+        def call() -> ObjectInfo | None:
             try:
                 head = self._client.head_object(Bucket=self.bucket, Key=key)
             except ClientError as exc:
                 if _is_status(exc, 404) and _code(exc)[0] != "NoSuchBucket":
                     return None
                 raise
-        return ObjectInfo(key, int(head["ContentLength"]), head["ETag"])
+            return ObjectInfo(key, int(head["ContentLength"]), head["ETag"])
+
+        return self._retrying(f"reading {self.url(key)}", call)
 
     def get(self, key: str) -> tuple[bytes, str] | None:
-        with self._errors(f"reading {self.url(key)}"):
-            for attempt in range(_READ_ATTEMPTS):
-                try:
-                    response = self._client.get_object(Bucket=self.bucket, Key=key)
-                except ClientError as exc:
-                    if _is_status(exc, 404) and _code(exc)[0] != "NoSuchBucket":
-                        return None
-                    raise
-                try:
-                    return response["Body"].read(), response["ETag"]
-                except BotoCoreError:
-                    if attempt + 1 == _READ_ATTEMPTS:
-                        raise
-                    _backoff(attempt)
-        raise AssertionError("unreachable")
+        def call() -> tuple[bytes, str] | None:
+            try:
+                response = self._client.get_object(Bucket=self.bucket, Key=key)
+            except ClientError as exc:
+                if _is_status(exc, 404) and _code(exc)[0] != "NoSuchBucket":
+                    return None
+                raise
+            return response["Body"].read(), response["ETag"]
+
+        return self._retrying(f"reading {self.url(key)}", call)
 
     def put(
         self,
@@ -236,7 +277,10 @@ class S3Transport(ObjectTransport):
         create_only: bool = False,
     ) -> str:
         condition = {"IfMatch": if_version} if if_version else {"IfNoneMatch": "*"} if create_only else {}
-        with self._errors(f"writing {self.url(key)}"):
+
+        def call() -> str:
+            if not isinstance(data, bytes):
+                data.seek(0)  # a retry sends the whole file again
             try:
                 return self._client.put_object(
                     Bucket=self.bucket,
@@ -251,9 +295,12 @@ class S3Transport(ObjectTransport):
                     raise PreconditionFailed(f"{self.url(key)} changed since version {if_version}") from None
                 raise
 
+        return self._retrying(f"writing {self.url(key)}", call)
+
     def upload_new(self, path: Path, key: str, crc64nvme: str) -> None:
         size = path.stat().st_size
-        with self._errors(f"uploading {self.url(key)}"):
+
+        def call() -> None:
             try:
                 # Giving the full-object checksum makes s3transfer create the multipart upload with
                 # ChecksumType FULL_OBJECT and pass it to CompleteMultipartUpload, where S3 checks it.
@@ -267,6 +314,8 @@ class S3Transport(ObjectTransport):
                     raise
                 if self._stored_checksum(key) != (crc64nvme, size):
                     raise ObjectExists(f"{self.url(key)} exists (written by another writer)") from None
+
+        self._retrying(f"uploading {self.url(key)}", call)
         stored = self._stored_checksum(key)
         if stored != (crc64nvme, size):
             raise StorageError(
@@ -275,16 +324,27 @@ class S3Transport(ObjectTransport):
             )
 
     def _stored_checksum(self, key: str) -> tuple[str | None, int]:
-        with self._errors(f"verifying {self.url(key)}"):
-            head = self._client.head_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED")
-        return head.get("ChecksumCRC64NVME"), int(head["ContentLength"])
+        stored = self.stored_crc64nvme(key)
+        return (None, 0) if stored is None else stored
+
+    def stored_crc64nvme(self, key: str) -> tuple[str | None, int] | None:
+        def call() -> tuple[str | None, int] | None:
+            try:
+                head = self._client.head_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED")
+            except ClientError as exc:
+                if _is_status(exc, 404) and _code(exc)[0] != "NoSuchBucket":
+                    return None
+                raise
+            return head.get("ChecksumCRC64NVME"), int(head["ContentLength"])
+
+        return self._retrying(f"verifying {self.url(key)}", call)
 
     def open_reader(self, info: ObjectInfo) -> IO[bytes]:
         return io.BufferedReader(_ObjectReader(self, info), buffer_size=1 << 20)
 
     def abort_uploads(self, prefix: str, only_keys: set[str] | None = None) -> int:
-        aborted = 0
-        with self._errors(f"cleaning up multipart uploads under {self.url(prefix)}"):
+        def call() -> int:
+            aborted = 0
             pages = self._client.get_paginator("list_multipart_uploads").paginate(
                 Bucket=self.bucket, Prefix=prefix
             )
@@ -297,7 +357,9 @@ class S3Transport(ObjectTransport):
                             Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
                         )
                         aborted += 1
-        return aborted
+            return aborted
+
+        return self._retrying(f"cleaning up multipart uploads under {self.url(prefix)}", call)
 
     def close(self) -> None:
         self._transfer.shutdown()
@@ -339,7 +401,7 @@ class _ObjectReader(io.RawIOBase):
         if self._pos >= info.size or len(buffer) == 0:
             return 0
         where, setting = transport.url(info.key), transport.setting
-        for attempt in range(_READ_ATTEMPTS):
+        for attempt in range(_ATTEMPTS):
             try:
                 if self._body is None:
                     self._body = transport._client.get_object(
@@ -357,9 +419,9 @@ class _ObjectReader(io.RawIOBase):
                 if _is_status(exc, 412):
                     raise StorageError(f"{setting}: {where} changed while the job was reading it") from None
                 raise _translate(exc, setting, transport.bucket, f"reading {where}") from None
-            except (BotoCoreError, StorageError) as exc:
+            except (*_BROKEN_RESPONSE, BotoCoreError, StorageError) as exc:
                 self._drop_body()
-                if attempt + 1 == _READ_ATTEMPTS:
+                if attempt + 1 == _ATTEMPTS:
                     raise StorageError(f"{setting}: reading {where} failed: {exc}") from None
                 _backoff(attempt)
         raise AssertionError("unreachable")

@@ -80,6 +80,11 @@ class ObjectTransport(ABC):
         upload that finds its own earlier, complete attempt succeeds."""
 
     @abstractmethod
+    def stored_crc64nvme(self, key: str) -> tuple[str | None, int] | None:
+        """The full-object CRC64NVME the store recorded for ``key`` (None if it keeps none) and
+        its size; None if the object is absent. One metadata request, no data read."""
+
+    @abstractmethod
     def open_reader(self, info: ObjectInfo) -> IO[bytes]:
         """A seekable, buffered reader of exactly that version of the object."""
 

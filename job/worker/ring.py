@@ -15,9 +15,11 @@ done with. The worker only reuses a slot once ``released`` has passed it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import mmap
 import os
+import shutil
 import struct
 import tempfile
 import time
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from job.errors import ConfigError
 from job.hidden_dtype import SCALE_BYTES, HiddenDtype, hidden_dtype
 
 _CONTROL_BYTES = 4096
@@ -88,6 +91,24 @@ class RingSpec:
         return asdict(self)
 
 
+def _reserve(fd: int, spec: RingSpec) -> None:
+    """Allocate the whole ring now: shared memory that runs out under a page fault is a SIGBUS in
+    the middle of a step; this way it is an error at start-up (a deployment setting: exit 2)."""
+    try:
+        os.posix_fallocate(fd, 0, spec.total_bytes)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return
+        os.unlink(spec.path)
+        directory = os.path.dirname(spec.path)
+        free = shutil.disk_usage(directory).free
+        raise ConfigError(
+            f"the capture ring needs {spec.total_bytes:,} bytes in {directory}, which has {free:,} free: "
+            "give the container more shared memory (docker --shm-size, a memory-backed emptyDir at "
+            "/dev/shm) or lower backend.vllm.max_num_batched_tokens / backend.vllm.capture_slots"
+        ) from None
+
+
 @dataclass
 class SlotViews:
     rows: torch.Tensor  # [max_tokens, L, H] in the stored dtype
@@ -108,6 +129,7 @@ class Ring:
         try:
             if create:
                 os.ftruncate(fd, spec.total_bytes)
+                _reserve(fd, spec)
             self._mmap = mmap.mmap(fd, spec.total_bytes, mmap.MAP_SHARED)
         finally:
             os.close(fd)
