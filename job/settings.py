@@ -92,6 +92,16 @@ class DataSettings(Section):
     prefetch_samples: PositiveInt = Field(
         2048, description="How many tokenized samples may wait ahead of the backend"
     )
+    max_record_bytes: ByteSize = Field(
+        ByteSize(64 * 1024**2),
+        description="Longest JSONL record read; longer ones are rejected unread (a record's memory "
+        "peak grows with its size, see README)",
+    )
+    reasoning_in_loss: bool = Field(
+        True,
+        description="Whether the <think>...</think> reasoning the chat template renders in assistant "
+        "turns counts in the loss mask",
+    )
 
 
 class VllmSettings(Section):

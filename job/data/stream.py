@@ -23,6 +23,9 @@ from job.data.source import Record
 from job.data.split import owner_index
 
 CHUNK = 32
+# A chunk also ends once its records hold this many raw bytes: a run of large records
+# travels to the tokenizer processes a few at a time, not 32 at once.
+CHUNK_BYTES = 16 * 1024**2
 _DONE = object()
 
 _worker_encoder: SampleEncoder | None = None
@@ -93,6 +96,7 @@ class EncodedStream:
 
     def _owned_chunks(self) -> Iterator[list[tuple[str, dict[str, Any] | None, str | None]]]:
         chunk: list[tuple[str, dict[str, Any] | None, str | None]] = []
+        chunk_bytes = 0
         stats = self.stats
         for record in self._records:
             stats.records_seen += 1
@@ -113,9 +117,10 @@ class EncodedStream:
                     stats.skipped_done += 1
                     continue
                 chunk.append((record.sample_id, record.value, record.error))
-            if len(chunk) >= CHUNK:
+                chunk_bytes += record.size
+            if len(chunk) >= CHUNK or chunk_bytes >= CHUNK_BYTES:
                 yield chunk
-                chunk = []
+                chunk, chunk_bytes = [], 0
             if self._stop.is_set():
                 return
         if chunk:
