@@ -212,7 +212,7 @@ class SampleEncoder:
         template = self.template(conv.tools)
         located: dict[int, Span] | None = None
         if _GENERATION_MARKER.search(template):
-            full, spans = self._render(conv.messages, conv.tools, template, spans=True)
+            full, spans = self._render_marked(conv.messages, conv.tools, template)
         else:
             full, _ = self._render(conv.messages, conv.tools, template)
             located = self._diff_spans(conv.messages, conv.tools, template, full)
@@ -245,6 +245,33 @@ class SampleEncoder:
         except Exception as exc:  # the template's own raise_exception, jinja errors
             raise SampleRejected(f"chat template rejected the conversation: {exc}") from None
         return rendered[0], [tuple(s) for s in indices[0]] if spans else []
+
+    def _render_marked(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str
+    ) -> tuple[str, list[Span]]:
+        """The render and the spans its {% generation %} blocks enclose.
+
+        transformers' own tracking re-joins the whole output at every block (quadratic:
+        minutes for a 20 MB conversation), so the blocks become plain ``if`` blocks that
+        emit a sentinel character at each end, found in one pass afterwards."""
+        if any(s in _strings(messages, tools) for s in (_SPAN_OPEN, _SPAN_CLOSE)):
+            return self._render(messages, tools, template, spans=True)
+        rendered, _ = self._render(messages, tools, _with_sentinels(template))
+        parts = _SENTINELS.split(rendered)
+        text: list[str] = []
+        spans: list[Span] = []
+        position, opened = 0, None
+        for part in parts:
+            if part == _SPAN_OPEN:
+                opened = position if opened is None else opened
+            elif part == _SPAN_CLOSE:
+                if opened is not None:
+                    spans.append((opened, position))
+                opened = None
+            else:
+                text.append(part)
+                position += len(part)
+        return "".join(text), spans
 
     def _diff_spans(
         self,
@@ -330,6 +357,31 @@ class SampleEncoder:
             where = f" within the first {max_length} tokens" if truncated else ""
             return RejectedSample(sample_id, f"no assistant tokens{where}: nothing to train on")
         return EncodedSample(sample_id, np.ascontiguousarray(ids), np.ascontiguousarray(mask), truncated)
+
+
+_GENERATION_TAG = re.compile(r"\{%(-?)\s*(end)?generation\s*(-?)%\}")
+_SPAN_OPEN, _SPAN_CLOSE = "\ue010", "\ue011"
+_SENTINELS = re.compile(f"([{_SPAN_OPEN}{_SPAN_CLOSE}])")
+
+
+@functools.lru_cache(maxsize=8)
+def _with_sentinels(template: str) -> str:
+    """``template`` with each generation block an ``if true`` block that emits a sentinel
+    at its ends: two block tags where there was one, so whitespace control (the tag's own
+    dashes, trim_blocks, lstrip_blocks) acts on the text around them as before."""
+
+    def swap(tag: re.Match[str]) -> str:
+        left, end, right = tag.group(1), tag.group(2), tag.group(3)
+        if end:
+            return f"{{%{left} endif %}}{{{{ '{_SPAN_CLOSE}' }}}}{{% endif {right}%}}"
+        return f"{{%{left} if true %}}{{{{ '{_SPAN_OPEN}' }}}}{{% if true {right}%}}"
+
+    return _GENERATION_TAG.sub(swap, template)
+
+
+def _strings(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    """All the text of a conversation, as JSON (to look for characters in it)."""
+    return json.dumps([messages, tools], ensure_ascii=False, default=str)
 
 
 def _common_prefix(a: str, b: str) -> int:
