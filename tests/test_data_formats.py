@@ -349,6 +349,7 @@ def test_sharegpt_tool_turns_become_openai_tool_calls() -> None:
         {"role": "user", "content": "Weather in Oslo and Rome?"},
         {
             "role": "assistant",
+            "content": "",
             "tool_calls": [
                 {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
                 {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
@@ -385,6 +386,7 @@ def test_openai_tool_messages_keep_what_templates_read() -> None:
     assert isinstance(conv, Conversation)
     assert conv.messages[1] == {
         "role": "assistant",
+        "content": "",
         "reasoning_content": "look it up",
         "tool_calls": [
             {

@@ -9,9 +9,10 @@ calling included (the OpenAI shape):
 * ``{"role": "system" | "user", "content": str}``;
 * ``{"role": "assistant", "content": str, "reasoning_content": str,
   "tool_calls": [{"type": "function", "function": {"name": str, "arguments": ...},
-  "id": str}]}``: ``content`` absent when the turn only calls tools (OpenAI's
-  ``content: null``), the other keys only when given; ``arguments`` parsed from
-  OpenAI's JSON string into the object templates serialize themselves;
+  "id": str}]}``: ``content`` is "" when the turn only calls tools (OpenAI's
+  ``content: null``, which vLLM also hands templates as ""), the other keys only
+  when given; ``arguments`` parsed from OpenAI's JSON string into the object
+  templates serialize themselves;
 * ``{"role": "tool", "content": str, "tool_call_id": str, "name": str}``;
 * tool definitions as ``[{"type": "function", "function": {...}}]``.
 
@@ -215,12 +216,13 @@ def _assistant(
     where_calls: str,
     reasoning: Any,
 ) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant"}
     content = turn.get(content_key)
-    if content is not None or calls is None:
-        if content_key not in turn and calls is None:
-            raise SampleRejected(f"{where}.{content_key}: missing")
-        message["content"] = _text(content, f"{where}.{content_key}")
+    if content_key not in turn and calls is None:
+        raise SampleRejected(f"{where}.{content_key}: missing")
+    # A turn that only calls tools has content "" (as vLLM passes OpenAI's null to the
+    # template: the rendering served is the one to train on; templates test it as a string).
+    text = "" if content is None and calls is not None else _text(content, f"{where}.{content_key}")
+    message: dict[str, Any] = {"role": "assistant", "content": text}
     if reasoning is not None:
         if not isinstance(reasoning, str):
             raise SampleRejected(f"{where}.reasoning_content: must be a string, got {_type_name(reasoning)}")
