@@ -297,8 +297,11 @@ class SampleEncoder:
             region_end = len(full) - _common_suffix(full, alternative, first)
             start = first
             if i > 0:
-                prompt, _ = self._render(messages[:i], tools, template, generation_prompt=True)
-                if full.startswith(prompt) and len(prompt) <= region_end:
+                try:
+                    prompt, _ = self._render(messages[:i], tools, template, generation_prompt=True)
+                except SampleRejected:  # a template that will not end on this message
+                    prompt = None
+                if prompt is not None and full.startswith(prompt) and len(prompt) <= region_end:
                     start = len(prompt)
             upto, _ = self._render(messages[: i + 1], tools, template)
             upto_alternative, _ = self._render([*messages[:i], stand_in], tools, template)
