@@ -53,6 +53,7 @@ class Identity(BaseModel):
     data_format: str
     max_length: int
     too_long: str
+    reasoning_in_loss: bool = True  # absent in manifests written before the setting existed
     tokenizer_fingerprint: str
     work_index: int
     work_count: int

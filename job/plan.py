@@ -5,7 +5,7 @@ from __future__ import annotations
 from job.data.encode import EncodedSample
 from job.data.source import read_records
 from job.data.stream import EncodedStream
-from job.pipeline.setup import prepare_run
+from job.pipeline.setup import RunSetup, prepare_run
 from job.settings import JobSettings
 from job.shards.planner import ShardPlanner
 
@@ -53,7 +53,7 @@ def _human(nbytes: float) -> str:
 def plan_index(settings: JobSettings) -> str:
     setup = prepare_run(settings)
     stream = EncodedStream(
-        read_records(setup.files),
+        read_records(setup.files, int(settings.data.max_record_bytes)),
         setup.encoder,
         index=settings.work.index,
         count=settings.work.count,
@@ -83,6 +83,7 @@ def plan_index(settings: JobSettings) -> str:
             f"{model.name} ({model.architecture}, {model.num_layers} layers, hidden {model.hidden_size})",
         ),
         ("layer ids", str(setup.layer_ids)),
+        ("input files", _files_row(setup)),
         ("input records", f"{stream.stats.records_seen} ({stream.stats.owned} owned by this index)"),
         ("samples", f"{samples} ({truncated} truncated to {settings.data.max_length} tokens)"),
         ("rejected", str(rejected)),
@@ -98,6 +99,15 @@ def plan_index(settings: JobSettings) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _files_row(setup: RunSetup) -> str:
+    row = f"{len(setup.files)} read"
+    if setup.skipped:
+        names = ", ".join(f"{s.name} ({s.reason})" for s in setup.skipped[:3])
+        more = f", and {len(setup.skipped) - 3} more" if len(setup.skipped) > 3 else ""
+        row += f"; {len(setup.skipped)} skipped: {names}{more}"
+    return row
 
 
 def _estimate(tokens: int, config: dict, tensor_parallel_size: int) -> str:

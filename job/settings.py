@@ -99,11 +99,16 @@ class DataSettings(Section):
         description="An index that rejects more than this fraction of its samples (or writes none) ends "
         "with exit 2 and a summary of the reasons instead of completing; 1 accepts any",
     )
-
-    @field_validator("path")
-    @classmethod
-    def _path_given(cls, value: str) -> str:
-        return _non_empty(value, "a JSONL/Parquet file or directory, or s3://bucket/prefix")
+    max_record_bytes: ByteSize = Field(
+        ByteSize(64 * 1024**2),
+        description="Longest JSONL record read; longer ones are rejected unread (a record's memory "
+        "peak grows with its size, see README)",
+    )
+    reasoning_in_loss: bool = Field(
+        True,
+        description="Whether the <think>...</think> reasoning the chat template renders in assistant "
+        "turns counts in the loss mask",
+    )
 
 
 # EngineArgs that the job sets from its own settings: engine_args may not override them unseen.

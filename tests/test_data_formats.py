@@ -4,6 +4,8 @@ Parquet, as single files and as a nested directory; sample ids and their stabili
 
 from __future__ import annotations
 
+import io
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +17,8 @@ import pytest
 import torch
 
 from job.data.encode import EncodedSample, EncoderSpec, SampleEncoder
-from job.data.source import list_input_files, read_records
+from job.data.formats import Conversation, SampleRejected, parse_record
+from job.data.source import data_fingerprint, list_input_files, read_records, scan_input
 from job.shards import iter_output, read_manifest
 
 SHAREGPT = [
@@ -228,3 +231,210 @@ def test_single_file_ids_use_the_file_name(data_dir: Path, tmp_path: Path) -> No
 
 def test_listing_is_sorted_and_only_data_files(data_dir: Path) -> None:
     assert [f.name for f in list_input_files(str(data_dir))] == sorted(EXPECTED)
+
+
+# --- the reader: line ends, bounds, compression, listing, fingerprint ----------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 64])
+def test_lines_split_on_every_line_end_across_read_chunks(
+    monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    # Line ends falling on chunk edges (a CRLF split in two, a CR last), every style
+    # mixed, a last line without an end, an over-long line: what _lines yields must not
+    # depend on the read size, and the lengths must add up to the input.
+    from job.data import source
+
+    data = b"a\r\nbb\rccc\n\r\ndddd" + b"x" * 40 + b"\r\n\n" + b"e" * 5 + b"\r" + b"f"
+    monkeypatch.setattr(source, "READ_CHUNK", chunk)
+    got = list(source._lines(io.BytesIO(data), 20))
+    assert [text for text, _ in got] == [b"a", b"bb", b"ccc", b"", None, b"", b"eeeee", b"f"]
+    assert sum(length for _, length in got) == len(data)
+
+
+def test_records_over_the_byte_bound_are_rejected_unread(tmp_path: Path, write_jsonl: Callable) -> None:
+    data = write_jsonl(
+        tmp_path / "d.jsonl", [{"id": "small", "input_ids": [1]}, {"id": "big", "input_ids": [1] * 500}]
+    )
+    records = list(read_records(list_input_files(str(data)), max_record_bytes=200))
+    assert [(r.sample_id, r.value is not None) for r in records] == [("small", True), ("d.jsonl:2", False)]
+    assert "over data.max_record_bytes (200)" in (records[1].error or "")
+
+
+def test_compressed_and_upper_case_files_are_read(tmp_path: Path) -> None:
+    import gzip
+
+    import zstandard
+
+    lines = [json.dumps({"id": f"r{i}", "input_ids": [i + 1]}).encode() for i in range(3)]
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines[0] + b"\n"))
+    (tmp_path / "b.JSONL.ZST").write_bytes(zstandard.ZstdCompressor().compress(lines[1] + b"\n"))
+    (tmp_path / "c.JSONL").write_bytes(lines[2])
+    files = list_input_files(str(tmp_path))
+    assert [f.name for f in files] == ["a.jsonl.gz", "b.JSONL.ZST", "c.JSONL"]
+    records = list(read_records(files))
+    assert [r.sample_id for r in records] == ["r0", "r1", "r2"]
+    assert records[-1].bytes_done == sum(f.size for f in files)  # progress counts file bytes
+
+
+def test_listing_names_what_it_skips(tmp_path: Path) -> None:
+    for name in (
+        "keep.jsonl",
+        ".hidden.jsonl",
+        "a.json",
+        "b.txt",
+        "c.jsonl.bz2",
+        "sub/.git/x.jsonl",
+        "sub/d.parquet",
+    ):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "out" / "index-00003").mkdir(parents=True)
+    (tmp_path / "out" / "index-00003" / ".lock").write_bytes(b"")  # a run still writing there
+    (tmp_path / "out" / "index-00003" / "logs.jsonl").write_bytes(b"")
+    (tmp_path / "linked").symlink_to(tmp_path / "sub")
+    listing = scan_input(str(tmp_path))
+    assert [f.name for f in listing.files] == ["keep.jsonl", "sub/d.parquet"]
+    skipped = {s.name: s.reason for s in listing.skipped}
+    assert sorted(skipped) == [
+        ".hidden.jsonl",
+        "a.json",
+        "b.txt",
+        "c.jsonl.bz2",
+        "linked/",
+        "out/index-00003/",
+        "sub/.git/",
+    ]
+    assert "not followed" in skipped["linked/"] and "output directory" in skipped["out/index-00003/"]
+    assert "only .jsonl.gz and .jsonl.zst" in skipped["c.jsonl.bz2"]
+
+
+def test_the_fingerprint_sees_a_same_size_edit(tmp_path: Path) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"id": "a", "input_ids": [1]}\n')
+    before = data_fingerprint(list_input_files(str(data)))
+    assert data_fingerprint(list_input_files(str(data))) == before  # stable
+    data.write_text('{"id": "a", "input_ids": [2]}\n')
+    assert data_fingerprint(list_input_files(str(data))) != before
+
+
+# --- tool-calling records in the chat-template shape ---------------------------------------
+
+WEATHER_FUNCTION = {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+
+
+def test_sharegpt_tool_turns_become_openai_tool_calls() -> None:
+    record = {
+        "system": "Use tools.",
+        "tools": json.dumps([WEATHER_FUNCTION]),
+        "conversations": [
+            {"from": "human", "value": "Weather in Oslo and Rome?"},
+            {
+                "from": "function_call",
+                "value": '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+                '{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}]',
+            },
+            {"from": "observation", "value": "snow; sun"},
+            {"from": "gpt", "value": "Snow in Oslo, sun in Rome."},
+        ],
+    }
+    conv = parse_record(record, "auto")
+    assert isinstance(conv, Conversation)
+    assert conv.tools == [{"type": "function", "function": WEATHER_FUNCTION}]
+    assert conv.messages == [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Oslo and Rome?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+            ],
+        },
+        {"role": "tool", "content": "snow; sun"},
+        {"role": "assistant", "content": "Snow in Oslo, sun in Rome."},
+    ]
+
+
+def test_openai_tool_messages_keep_what_templates_read() -> None:
+    record = {
+        "tools": [{"type": "function", "function": WEATHER_FUNCTION}],
+        "messages": [
+            {"role": "user", "content": "Oslo?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning": "look it up",  # vLLM's newer name for reasoning_content
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": {"sky": "snow"}},
+            {"role": "function", "name": "get_weather", "content": "legacy result"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Snow."}]},
+        ],
+    }
+    conv = parse_record(record, "openai")
+    assert isinstance(conv, Conversation)
+    assert conv.messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "look it up",
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                "id": "c1",
+            }
+        ],
+    }
+    assert conv.messages[2] == {
+        "role": "tool",
+        "content": '{"sky":"snow"}',
+        "tool_call_id": "c1",
+        "name": "get_weather",
+    }
+    assert conv.messages[3] == {"role": "tool", "content": "legacy result", "name": "get_weather"}
+    assert conv.messages[4] == {"role": "assistant", "content": "Snow."}
+
+
+@pytest.mark.parametrize(
+    ("record", "fmt", "phrase"),
+    [
+        (
+            {"messages": [{"role": "user", "content": "q"}]},
+            "sharegpt",
+            "this record is openai; use data.format: auto",
+        ),
+        ({"conversations": []}, "openai", "this record is sharegpt"),
+        ({"messages": []}, "tokenized", "this record is openai"),
+        (
+            {"tools": {"name": "x"}, "messages": [{"role": "user", "content": "q"}]},
+            "openai",
+            "'tools' must be a list",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"type": "code", "function": {}}]}]},
+            "openai",
+            "only 'function' tool calls",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": []}]},
+            "openai",
+            "must be a non-empty list of tool calls",
+        ),
+        ({"conversations": [{"from": "function_call", "value": "{oops"}]}, "sharegpt", "not valid JSON"),
+    ],
+)
+def test_records_that_do_not_fit_name_the_field(record: dict[str, Any], fmt: str, phrase: str) -> None:
+    with pytest.raises(SampleRejected) as caught:
+        parse_record(record, fmt)
+    assert phrase in str(caught.value)

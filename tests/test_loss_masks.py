@@ -9,6 +9,7 @@ end-of-turn token: nothing of the system prompt, the user turns or the role head
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from job.data.encode import EncodedSample, EncoderSpec, SampleEncoder
-from job.tiny import CHATML_TEMPLATE, LLAMA3_TEMPLATE, strip_generation_markers
+from job.data.encode import EncodedSample, EncoderSpec, RejectedSample, SampleEncoder
+from job.data.formats import parse_record
+from job.tiny import CHATML_TEMPLATE, LLAMA3_TEMPLATE, QWEN3_TEMPLATE, strip_generation_markers
 
 STYLES = {
     # model, template, end-of-turn token, whether the template trims message content
@@ -151,3 +153,223 @@ def test_builtin_chatml_model_uses_its_own_marked_template(builtin_model: Callab
     assert encoder.mask_method == "generation-markers"
     sample = encode(encoder, openai_record(TURNS[:1]))
     assert [encoder.tokenizer.decode(s) for s in masked_spans(sample)] == [TURNS[0][1] + "<|im_end|>"]
+
+
+# --- tool calling and reasoning --------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def call(name: str, arguments: str, call_id: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+# An agent: a tool call without content (OpenAI's content: null) and with reasoning, its
+# result, the answer, then a second round after another user message.
+AGENT = {
+    "tools": [WEATHER],
+    "messages": [
+        {"role": "system", "content": "Use tools when they help."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "I should look it up.",
+            "tool_calls": [call("get_weather", '{"city": "Oslo"}', "c1")],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": '{"sky": "snow", "temp": -3}'},
+        {"role": "assistant", "content": "Snow, -3 °C.", "reasoning_content": "The tool answered."},
+        {"role": "user", "content": "And in Rome?"},
+        {"role": "assistant", "tool_calls": [call("get_weather", '{"city": "Rome"}', "c2")]},
+        {"role": "tool", "tool_call_id": "c2", "content": "sunny"},
+        {"role": "assistant", "content": "<think>\nRome is sunny.\n</think>\n\nSunny in Rome."},
+    ],
+}
+# The same conversation in ShareGPT (LLaMA-Factory's function_call / observation turns).
+AGENT_SHAREGPT = {
+    "tools": json.dumps([WEATHER["function"]]),
+    "system": "Use tools when they help.",
+    "conversations": [
+        {"from": "human", "value": "Weather in Oslo?"},
+        {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Oslo"}}'},
+        {"from": "observation", "value": '{"sky": "snow", "temp": -3}'},
+        {"from": "gpt", "value": "Snow, -3 °C."},
+    ],
+}
+
+# What each template makes of AGENT: the masked spans, in order. Llama-3.1 style renders
+# a call as JSON and no reasoning but what the content holds; Qwen3's renders
+# reasoning only after the last user message (and always, if empty, for the final
+# turn), so the first round's reasoning is gone from the text.
+AGENT_SPANS = {
+    "llama3": [
+        '{"name": "get_weather", "parameters": {"city": "Oslo"}}<|eot_id|>',
+        "Snow, -3 °C.<|eot_id|>",
+        '{"name": "get_weather", "parameters": {"city": "Rome"}}<|eot_id|>',
+        "<think>\nRome is sunny.\n</think>\n\nSunny in Rome.<|eot_id|>",
+    ],
+    "qwen3": [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>',
+        "Snow, -3 °C.<|im_end|>",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>',
+        "<think>\nRome is sunny.\n</think>\n\nSunny in Rome.<|im_end|>",
+    ],
+}
+SHAREGPT_SPANS = {
+    "llama3": AGENT_SPANS["llama3"][:2],
+    "qwen3": [AGENT_SPANS["qwen3"][0], "<think>\n\n</think>\n\nSnow, -3 °C.<|im_end|>"],
+}
+TOOL_STYLES = {"llama3": ("tiny-llama", LLAMA3_TEMPLATE), "qwen3": ("tiny-qwen3", QWEN3_TEMPLATE)}
+
+
+def reasoning_encoder(model_dir: Path, template: str, reasoning_in_loss: bool) -> SampleEncoder:
+    return SampleEncoder(
+        EncoderSpec(str(model_dir), template, "auto", 4096, "truncate", 1024, reasoning_in_loss)
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(TOOL_STYLES))
+def tool_style(request: pytest.FixtureRequest, builtin_model: Callable[[str], Path]) -> dict[str, Any]:
+    model, template = TOOL_STYLES[request.param]
+    model_dir = builtin_model(model)
+    return {
+        "name": request.param,
+        "markers": make_encoder(model_dir, template),
+        "prefix_diff": make_encoder(model_dir, strip_generation_markers(template)),
+        "dir": model_dir,
+        "template": template,
+    }
+
+
+@pytest.mark.parametrize("method", ["markers", "prefix_diff"])
+@pytest.mark.parametrize(("record", "expected"), [(AGENT, AGENT_SPANS), (AGENT_SHAREGPT, SHAREGPT_SPANS)])
+def test_tool_calls_are_in_the_mask_and_tool_results_out(
+    tool_style: dict[str, Any], method: str, record: dict[str, Any], expected: dict[str, list[str]]
+) -> None:
+    encoder: SampleEncoder = tool_style[method]
+    sample = encode(encoder, record)
+    assert [encoder.tokenizer.decode(s) for s in masked_spans(sample)] == expected[tool_style["name"]]
+    unmasked = encoder.tokenizer.decode(sample.input_ids[sample.loss_mask == 0])
+    for result in ('{"sky": "snow", "temp": -3}', "sunny"):
+        if result in encoder.tokenizer.decode(sample.input_ids):
+            assert result in unmasked
+    assert "get_weather" in unmasked  # the tool definition, in the system prompt
+
+
+@pytest.mark.parametrize("record", [AGENT, AGENT_SHAREGPT])
+def test_markers_and_prefix_diff_agree_on_tool_conversations(
+    tool_style: dict[str, Any], record: dict[str, Any]
+) -> None:
+    a = encode(tool_style["markers"], record)
+    b = encode(tool_style["prefix_diff"], record)
+    np.testing.assert_array_equal(a.input_ids, b.input_ids)
+    np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+
+
+@pytest.mark.parametrize("markers", [True, False])
+def test_reasoning_can_be_left_out_of_the_mask(tool_style: dict[str, Any], markers: bool) -> None:
+    template = tool_style["template"] if markers else strip_generation_markers(tool_style["template"])
+    with_reasoning = encode(reasoning_encoder(tool_style["dir"], template, True), AGENT)
+    without = reasoning_encoder(tool_style["dir"], template, False)
+    sample = encode(without, AGENT)
+    np.testing.assert_array_equal(sample.input_ids, with_reasoning.input_ids)  # same tokens
+    spans = [without.tokenizer.decode(s) for s in masked_spans(sample)]
+    expected = [
+        s.replace("<think>\nRome is sunny.\n</think>\n\n", "") for s in AGENT_SPANS[tool_style["name"]]
+    ]
+    assert spans == expected
+    assert "Rome is sunny." in without.tokenizer.decode(sample.input_ids[sample.loss_mask == 0])
+
+
+def test_qwen3_template_drops_earlier_reasoning_and_marks_the_final_turn(
+    builtin_model: Callable[[str], Path],
+) -> None:
+    # Not prefix-stable: the render of a turn as the last one has a <think> block the
+    # whole conversation's does not. The prefix diff must still find each turn.
+    record = {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello", "reasoning_content": "greet"},
+            {"role": "user", "content": "Bye"},
+            {"role": "assistant", "content": "Bye!", "reasoning_content": "leaving"},
+        ]
+    }
+    encoder = make_encoder(builtin_model("tiny-qwen3"), strip_generation_markers(QWEN3_TEMPLATE))
+    sample = encode(encoder, record)
+    text = encoder.tokenizer.decode(sample.input_ids)
+    assert "greet" not in text
+    spans = [encoder.tokenizer.decode(s) for s in masked_spans(sample)]
+    assert spans == ["Hello<|im_end|>", "<think>\nleaving\n</think>\n\nBye!<|im_end|>"]
+
+
+def test_one_pass_generation_spans_equal_transformers_own(tool_style: dict[str, Any]) -> None:
+    # The encoder finds {% generation %} spans with sentinels (transformers' tracking is
+    # quadratic); the text and the spans must be exactly what transformers computes.
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    encoder: SampleEncoder = tool_style["markers"]
+    for record in (AGENT, openai_record(TURNS)):
+        conv = parse_record(record, "auto")
+        rendered, indices = render_jinja_template(
+            conversations=[conv.messages],
+            tools=conv.tools,
+            chat_template=tool_style["template"],
+            return_assistant_tokens_mask=True,
+            **encoder.tokenizer.special_tokens_map,
+        )
+        text, spans = encoder._render_marked(conv.messages, conv.tools, tool_style["template"])
+        assert text == rendered[0]
+        assert spans == [tuple(s) for s in indices[0]]
+
+
+def test_a_template_without_tool_support_rejects_instead_of_dropping_calls(
+    builtin_model: Callable[[str], Path],
+) -> None:
+    # Plain ChatML renders the assistant's content and silently leaves out its tool calls
+    # and the tools: such a sample would teach the draft a turn the model never produced.
+    encoder = make_encoder(builtin_model("tiny-chatml"), CHATML_TEMPLATE)
+    record = {
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "Let me check.", "tool_calls": [call("get_weather", "{}", "c")]},
+            {"role": "tool", "content": "rain"},
+            {"role": "assistant", "content": "Rain."},
+        ]
+    }
+    result = encoder.encode("s", record, None)
+    assert (
+        isinstance(result, RejectedSample) and "did not render the tool call 'get_weather'" in result.reason
+    )
+    no_calls = {
+        "tools": [WEATHER],
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hi!"}],
+    }
+    result = encoder.encode("s", no_calls, None)
+    assert isinstance(result, RejectedSample) and "did not render the tool definitions" in result.reason
+
+
+def test_cut_before_tokenizing_keeps_the_first_max_length_tokens_exact(tiny_llama_dir: Path) -> None:
+    # The tokenizer sees only max_length x longest-token + GUARD characters: the kept
+    # tokens and mask must equal those of tokenizing everything and truncating.
+    turns = [(f"Question {i}: " + "why " * 50, f"Answer {i}: " + "because " * 50) for i in range(200)]
+    record = openai_record(turns)
+    max_length = 256
+    encoder = SampleEncoder(EncoderSpec(str(tiny_llama_dir), None, "auto", max_length, "truncate", 1024))
+    sample = encode(encoder, record)
+    conv = parse_record(record, "auto")
+    full, spans = encoder._render_marked(conv.messages, None, encoder.template())
+    assert len(full) > 4 * encoder.char_budget  # the cut really happens
+    enc = encoder.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    assert sample.truncated and sample.num_tokens == max_length
+    np.testing.assert_array_equal(sample.input_ids, np.asarray(enc["input_ids"][:max_length]))
+    mask = [
+        int(any(s < b and e > a and e > s for a, b in spans)) for s, e in enc["offset_mapping"][:max_length]
+    ]
+    assert sample.loss_mask.tolist() == mask

@@ -6,7 +6,10 @@ must write exactly the files recorded here: every shard's data bytes, its header
 the values that name the run or this machine, the manifest on the same terms, and
 rejected.jsonl. The digests were recorded with the code before the storage/runner/
 adapter restructuring (commit b1f73d5) and must survive any refactoring; a deliberate
-format or fingerprint change updates them in the same commit, saying why.
+format or fingerprint change updates them in the same commit, saying why. Updated once
+since: the data fingerprint covers file contents and the identity records
+data.reasoning_in_loss (shard data bytes unchanged; headers and manifest equal to the
+recorded ones with the old fingerprint put back).
 """
 
 from __future__ import annotations
@@ -38,20 +41,20 @@ RUN_SPECIFIC = {"run_id", "model_path", "model_name", "run_ids", "updated_at"}
 EXPECTED = {
     "model": {
         "files": {
-            "manifest.json": "17f0534d047b8d6a",
+            "manifest.json": "9bf3124b06d1ece4",
             "rejected.jsonl": "f177ff369ede098e",
-            "shard-00000.safetensors": {"header": "ec35881adf9233cd", "data": "4f95e9afa0e82ff4"},
-            "shard-00001.safetensors": {"header": "c55d7e675c83e1a7", "data": "2c88e998bf422fb1"},
-            "shard-00002.safetensors": {"header": "9b906563e80440fa", "data": "b380512b3bf60a07"},
-            "shard-00003.safetensors": {"header": "6b9af0a2fa398dcd", "data": "ce78ee0979547367"},
+            "shard-00000.safetensors": {"header": "63edcdd142020a68", "data": "4f95e9afa0e82ff4"},
+            "shard-00001.safetensors": {"header": "c2a443bfa5ca4d68", "data": "2c88e998bf422fb1"},
+            "shard-00002.safetensors": {"header": "0b54807261f4882e", "data": "b380512b3bf60a07"},
+            "shard-00003.safetensors": {"header": "35701b974deb0961", "data": "ce78ee0979547367"},
         }
     },
     "fp8_e4m3": {
         "files": {
-            "manifest.json": "b9495f528efbc4a1",
+            "manifest.json": "aa9e20b29d3e08c2",
             "rejected.jsonl": "f177ff369ede098e",
-            "shard-00000.safetensors": {"header": "d60c9d97f6648686", "data": "542adbf290ccc89c"},
-            "shard-00001.safetensors": {"header": "504a375b591eb932", "data": "54aa97a23462070e"},
+            "shard-00000.safetensors": {"header": "7692a78568c8858c", "data": "542adbf290ccc89c"},
+            "shard-00001.safetensors": {"header": "b2797e280c33f0b6", "data": "54aa97a23462070e"},
         }
     },
 }

@@ -143,14 +143,19 @@ def test_kill_points_and_resume(
     args = job_args(**s3_uris(bucket, prefix))
     env = job_env(fault_proxy.endpoint, job_cache)
     total = len(reference.contents.sample_ids)
-    runs: list[tuple[str, list[Any]]] = []  # what each run asked S3 for
-
-    def start() -> JobProcess:
-        fault_proxy.requests.clear()
-        return JobProcess(args, env)
+    runs: list[tuple[str, list[Any], set[str]]] = []  # what each run asked S3 for, what was listed
+    listed_at_start: set[str] = set()
 
     def index() -> IndexContents:
         return read_index(s3, bucket, prefix, tmp_path)
+
+    def start() -> JobProcess:
+        nonlocal listed_at_start
+        contents = index()
+        shards = contents.manifest.shards if contents.manifest is not None else []
+        listed_at_start = {f"/{bucket}/{prefix}/index-00000/{entry.name}" for entry in shards}
+        fault_proxy.requests.clear()
+        return JobProcess(args, env)
 
     # 1. kill -9 in the middle of a multipart upload: its second part is held back at the proxy.
     fault_proxy.delay = lambda r: 60.0 if r.operation == "UploadPart" and "partNumber=2" in r.query else 0.0
@@ -167,7 +172,7 @@ def test_kill_points_and_resume(
     job.wait_for(part_uploaded, what="a multipart upload with a part")
     job.kill9()
     fault_proxy.delay = None
-    runs.append(("multipart upload", list(fault_proxy.requests)))
+    runs.append(("multipart upload", list(fault_proxy.requests), listed_at_start))
     orphans = multipart_uploads(s3, bucket, prefix)
     orphan_uploads = [u["UploadId"] for u in orphans]
     assert orphan_uploads
@@ -180,7 +185,7 @@ def test_kill_points_and_resume(
     job = start()
     job.wait_event("shard_committed")
     job.kill9()
-    runs.append(("extraction", list(fault_proxy.requests)))
+    runs.append(("extraction", list(fault_proxy.requests), listed_at_start))
     after_2 = index()
     assert len(after_1.sample_ids) < len(after_2.sample_ids) < total
     # The new owner aborted the killed run's upload after winning the manifest.
@@ -191,7 +196,7 @@ def test_kill_points_and_resume(
     job.wait_event("shard_committed")
     job.proc.send_signal(signal.SIGTERM)
     assert job.finish() == EXIT_TERMINATED, job.tail()
-    runs.append(("SIGTERM", list(fault_proxy.requests)))
+    runs.append(("SIGTERM", list(fault_proxy.requests), listed_at_start))
     run_3 = next(e["run_id"] for e in job.events if e.get("event") == "run_started")
     log_3 = log_objects(s3, bucket, prefix)[f"{prefix}/index-00000/logs/{run_3}.jsonl"]
     assert b'"event": "run_stopped"' in log_3
@@ -207,7 +212,7 @@ def test_kill_points_and_resume(
     job.wait_for(fault_proxy.held.is_set, what="the manifest write listing every sample")
     job.kill9()
     fault_proxy.hold = None
-    runs.append(("before manifest", list(fault_proxy.requests)))
+    runs.append(("before manifest", list(fault_proxy.requests), listed_at_start))
     after_4 = index()
     assert after_4.manifest is not None and len(after_4.sample_ids) < total
     listed_4 = {entry.name for entry in after_4.manifest.shards}
@@ -218,7 +223,7 @@ def test_kill_points_and_resume(
     existing = {n for name in after_4.keys if (n := shard_number(name)) is not None}
     job = start()
     assert job.finish() == 0, job.tail()
-    runs.append(("rerun", list(fault_proxy.requests)))
+    runs.append(("rerun", list(fault_proxy.requests), listed_at_start))
     final = index()
     assert final.manifest is not None and final.manifest.complete
     assert len(final.sample_ids) == len(set(final.sample_ids)) == total
@@ -232,15 +237,17 @@ def test_kill_points_and_resume(
     assert unlisted <= set(final.keys), "orphans are ignored, not overwritten or deleted"
     assert not unlisted & {e.name for e in final.manifest.shards}
 
-    # No run read a shard it did not upload itself (to verify it) ...
-    for point, requests in runs:
-        assert _shard_reads(requests) <= _uploaded(requests), point
+    # No run read a shard it did not upload itself (to verify it) or find listed (to check it on
+    # resume); every resumed run checked every listed shard ...
+    for point, requests, listed in runs:
+        assert _shard_reads(requests) <= _uploaded(requests) | listed, point
+        assert listed <= _shard_reads(requests), point
     # ... and no shard key was ever written twice.
-    every_upload = [p for _, requests in runs for p in _uploaded(requests) if p.endswith(".safetensors")]
+    every_upload = [p for _, requests, _ in runs for p in _uploaded(requests) if p.endswith(".safetensors")]
     assert len(every_upload) == len(set(every_upload))
     assert_no_secrets(*log_objects(s3, bucket, prefix).values())
     print(
-        f"\nkill points: {[point for point, _ in runs[:-1]]}; {len(unlisted)} orphan shard(s) ignored; "
+        f"\nkill points: {[point for point, _, _ in runs[:-1]]}; {len(unlisted)} orphan shard(s) ignored; "
         f"{len(orphan_uploads)} orphan multipart upload(s) aborted; final {len(final.manifest.shards)} shards"
     )
 

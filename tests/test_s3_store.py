@@ -310,7 +310,7 @@ def test_s3_input_files_list_and_read(
     assert [r.value for r in records[41:]] == rows
     assert fault_proxy.faults["reset mid-response"] == 2
 
-    with pytest.raises(ConfigError, match=r"no \.jsonl or \.parquet objects"):
+    with pytest.raises(ConfigError, match=r"no \.jsonl/.*\.parquet objects"):
         list_input_files(f"s3://{bucket}/no-such-prefix")
     with pytest.raises(ConfigError, match="does not exist"):
         list_input_files("s3://no-such-bucket-eagle3/x")

@@ -25,7 +25,7 @@ import numpy as np
 from adapters import select_adapter_set
 from adapters.requests import prefill_sampling_params
 from job.backends import Backend, BackendInput, HiddenChunk
-from job.data.source import MAX_SAMPLE_ID_BYTES
+from job.data.source import MAX_ID_BYTES
 from job.hidden_dtype import HiddenDtype
 from job.logs import get_logger
 from job.model import ModelInfo
@@ -121,7 +121,7 @@ class VllmBackend(Backend):
             num_layers=len(layer_ids),
             hidden_size=model.hidden_size,
             dtype_name=dtype.name,
-            header_bytes=header_bytes(self.max_num_seqs, MAX_SAMPLE_ID_BYTES),
+            header_bytes=header_bytes(self.max_num_seqs, MAX_ID_BYTES),
         )
         self._closed = False
         try:

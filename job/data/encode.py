@@ -1,19 +1,47 @@
 """Turn a validated record into token ids and an assistant-only loss mask.
 
-Loss mask = 1 on the tokens the assistant produced (its content and its
-end-of-turn token), 0 elsewhere. Two ways to find them:
+Conversations are rendered with the model's chat template (record-level tools
+passed as ``tools=``, tool calls and results as the template expects them,
+see job.data.formats). Loss mask = 1 on what the assistant generates: its
+content, its tool calls, its reasoning where the template renders it, and its
+end-of-turn token; 0 on system and user turns, tool results, role headers and
+generation prompts. ``reasoning_in_loss: false`` also leaves the
+``<think>...</think>`` blocks of assistant turns (and the whitespace after them)
+out. Two ways to find the assistant's characters in the rendered text:
 
-* templates with ``{% generation %}`` markers: transformers'
-  ``return_assistant_tokens_mask``;
-* any other template: render the conversation up to each assistant turn with
-  and without that turn and take the difference (trailing whitespace the
-  template adds after the end-of-turn token is not something the model
-  generates, so it is left out). A template whose renders are not prefixes of
-  each other cannot be diffed; such samples are rejected with a reason.
+* templates with ``{% generation %}`` markers: what the markers enclose;
+* any other template (``prefix-diff``): for each assistant message, the render
+  of the conversation before it with the generation prompt gives its start (or,
+  when the whole render does not begin with that, the first character that
+  changes when the message is replaced by a placeholder); the render with the
+  placeholder gives its end: the two differ exactly where the message's
+  reasoning, content and tool calls are, and the end-of-turn text that follows
+  (from a render that ends with the message, trailing whitespace excluded) is
+  included. Templates need not be prefix-stable: Qwen3's, which renders
+  ``<think>`` only after the last user query and differently for the final
+  message, works.
+
+A template that drops a record's tool calls, tool definitions or tool results
+from the text (one written for plain chat) rejects the sample instead of
+silently training on half of it.
+
+Memory: the tokenizer sees at most ``max_length * L + GUARD`` characters of
+the rendered text, L being the longest token of the vocabulary in characters
+(byte-level BPE: in bytes): the first ``max_length`` tokens cannot reach
+further, since a token covers at most L characters. ``GUARD`` (4096 characters)
+keeps the cut away from the tokens kept: text before a cut tokenizes as in the
+whole text except within the pre-token the cut falls into (pre-tokenizers split
+at whitespace, punctuation and letter/digit changes, so that pre-token would
+need to be a 4 KiB word). Should the ``max_length``-th token of the cut text end
+within GUARD of the cut anyway (a normalizer that shortens text), the whole
+text is tokenized. Rendering holds the whole record; records are bounded in
+bytes by ``data.max_record_bytes`` (job.data.source).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +53,14 @@ from job.data.formats import Conversation, PreTokenized, SampleRejected, parse_r
 from job.errors import ConfigError
 
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+GUARD = 4096
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+MAX_REASON_CHARS = 1000
+# Private-use characters: a placeholder for an assistant message that no real text contains.
+_PLACEHOLDERS = ("\ue000", "\ue001\ue002", "\ue003\ue004\ue005")
+_COMPARE_STEP = 4096
+
+Span = tuple[int, int]  # [start, end) in characters of the rendered text
 
 
 @dataclass(frozen=True)
@@ -37,6 +73,8 @@ class EncoderSpec:
     max_length: int
     too_long: str
     vocab_size: int
+    reasoning_in_loss: bool = True
+    trust_remote_code: bool = False  # model.trust_remote_code: tokenizers with their own code (Kimi)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +104,12 @@ def read_chat_template(path: str | None) -> str | None:
         raise ConfigError(f"data.chat_template: cannot read {path}: {exc.strerror}") from None
 
 
+def clean_reason(reason: str) -> str:
+    """A reason that fits a UTF-8 JSON line: surrogates escaped, length capped."""
+    reason = reason.encode("utf-8", "backslashreplace").decode("utf-8")
+    return reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
+
+
 class SampleEncoder:
     def __init__(self, spec: EncoderSpec) -> None:
         self.spec = spec
@@ -78,7 +122,9 @@ class SampleEncoder:
             from transformers import AutoTokenizer
 
             try:
-                tokenizer = AutoTokenizer.from_pretrained(self.spec.tokenizer_path)
+                tokenizer = AutoTokenizer.from_pretrained(
+                    self.spec.tokenizer_path, trust_remote_code=self.spec.trust_remote_code
+                )
             except (OSError, ValueError) as exc:
                 raise ConfigError(
                     f"model.path: no usable tokenizer at {self.spec.tokenizer_path} ({exc}); "
@@ -89,10 +135,26 @@ class SampleEncoder:
             self._tokenizer = tokenizer
         return self._tokenizer
 
+    def template(self, tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template for a conversation (with ``tools``: a tokenizer's tool_use
+        template where it has named ones)."""
+        try:
+            template = self.tokenizer.get_chat_template(None, tools)
+        except ValueError:
+            template = None
+        if not isinstance(template, str) or not template:
+            raise ConfigError(
+                f"the tokenizer at {self.spec.tokenizer_path} has no chat template, so conversations "
+                "cannot be tokenized; set data.chat_template to a Jinja template file"
+            )
+        return template
+
     @property
     def chat_template(self) -> str | None:
-        template = self.tokenizer.chat_template
-        return template if isinstance(template, str) and template else None
+        try:
+            return self.template()
+        except ConfigError:
+            return None
 
     @property
     def uses_generation_markers(self) -> bool:
@@ -103,21 +165,34 @@ class SampleEncoder:
     def mask_method(self) -> str:
         return "generation-markers" if self.uses_generation_markers else "prefix-diff"
 
+    @functools.cached_property
+    def char_budget(self) -> int:
+        """The most characters of rendered text the first max_length tokens can cover, plus GUARD."""
+        tokenizer = self.tokenizer
+        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        longest = max((len(t) for t in tokens if isinstance(t, str)), default=1)
+        return self.spec.max_length * max(longest, 1) + GUARD
+
     def encode(
         self, sample_id: str, value: dict[str, Any] | None, error: str | None
     ) -> EncodedSample | RejectedSample:
         if error is not None:
-            return RejectedSample(sample_id, error)
+            return RejectedSample(sample_id, clean_reason(error))
         assert value is not None
         try:
             parsed = parse_record(value, self.spec.data_format)
             if isinstance(parsed, PreTokenized):
                 ids, mask = self._pretokenized(parsed)
-            else:
-                ids, mask = self._conversation(parsed)
-            return self._limit(sample_id, ids, mask)
+                return self._limit(sample_id, ids, mask, exact=True)
+            ids, mask, exact = self._conversation(parsed)
+            return self._limit(sample_id, ids, mask, exact)
         except SampleRejected as exc:
-            return RejectedSample(sample_id, str(exc))
+            reason = str(exc)
+        except ConfigError:
+            raise
+        except Exception as exc:  # one record must not end the run; the reason says what happened
+            reason = f"could not be encoded (unexpected {type(exc).__name__}: {exc})"
+        return RejectedSample(sample_id, clean_reason(reason))
 
     def _pretokenized(self, sample: PreTokenized) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(sample.input_ids, dtype=np.int64)
@@ -136,62 +211,267 @@ class SampleEncoder:
         )
         return ids.astype(np.int32), mask
 
-    def _conversation(self, conv: Conversation) -> tuple[np.ndarray, np.ndarray]:
-        if self.chat_template is None:
-            raise ConfigError(
-                f"the tokenizer at {self.spec.tokenizer_path} has no chat template, so conversations "
-                "cannot be tokenized; set data.chat_template to a Jinja template file"
-            )
-        if self.uses_generation_markers:
-            encoded = self._render(
-                conv.messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-            ids = np.asarray(encoded["input_ids"], np.int32)
-            mask = np.asarray(encoded["assistant_masks"], np.uint8)
-            return ids, mask
-        return self._prefix_diff(conv.messages)
+    def _conversation(self, conv: Conversation) -> tuple[np.ndarray, np.ndarray, bool]:
+        template = self.template(conv.tools)
+        located: dict[int, Span] | None = None
+        if _GENERATION_MARKER.search(template):
+            full, spans = self._render_marked(conv.messages, conv.tools, template)
+        else:
+            full, _ = self._render(conv.messages, conv.tools, template)
+            located = self._diff_spans(conv.messages, conv.tools, template, full)
+            spans = list(located.values())
+        _check_tools_rendered(conv, full, spans, located)
+        if not self.spec.reasoning_in_loss:
+            spans = _without_reasoning(full, spans)
+        return self._tokenize(full, spans)
 
-    def _render(self, messages: list[dict[str, str]], **kwargs: Any) -> Any:
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template: str,
+        *,
+        generation_prompt: bool = False,
+        spans: bool = False,
+    ) -> tuple[str, list[Span]]:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
         try:
-            return self.tokenizer.apply_chat_template(messages, **kwargs)
+            rendered, indices = render_jinja_template(
+                conversations=[messages],
+                tools=tools,
+                chat_template=template,
+                return_assistant_tokens_mask=spans,
+                add_generation_prompt=generation_prompt,
+                **self.tokenizer.special_tokens_map,
+            )
         except Exception as exc:  # the template's own raise_exception, jinja errors
             raise SampleRejected(f"chat template rejected the conversation: {exc}") from None
+        return rendered[0], [tuple(s) for s in indices[0]] if spans else []
 
-    def _prefix_diff(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
-        full = self._render(messages, tokenize=False)
-        spans = []
+    def _render_marked(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str
+    ) -> tuple[str, list[Span]]:
+        """The render and the spans its {% generation %} blocks enclose.
+
+        transformers' own tracking re-joins the whole output at every block (quadratic:
+        minutes for a 20 MB conversation), so the blocks become plain ``if`` blocks that
+        emit a sentinel character at each end, found in one pass afterwards."""
+        if any(s in _strings(messages, tools) for s in (_SPAN_OPEN, _SPAN_CLOSE)):
+            return self._render(messages, tools, template, spans=True)
+        rendered, _ = self._render(messages, tools, _with_sentinels(template))
+        parts = _SENTINELS.split(rendered)
+        text: list[str] = []
+        spans: list[Span] = []
+        position, opened = 0, None
+        for part in parts:
+            if part == _SPAN_OPEN:
+                opened = position if opened is None else opened
+            elif part == _SPAN_CLOSE:
+                if opened is not None:
+                    spans.append((opened, position))
+                opened = None
+            else:
+                text.append(part)
+                position += len(part)
+        return "".join(text), spans
+
+    def _diff_spans(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template: str,
+        full: str,
+    ) -> dict[int, Span]:
+        """The span of each assistant message (by index) that starts within the char budget."""
+        placeholder = next((p for p in _PLACEHOLDERS if p not in full), None)
+        if placeholder is None:
+            raise SampleRejected("the conversation holds the placeholders used to locate assistant turns")
+        stand_in = {"role": "assistant", "content": placeholder}
+        spans: dict[int, Span] = {}
+        previous_end = 0
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prefix = self._render(messages[:i], tokenize=False, add_generation_prompt=True)
-            upto = self._render(messages[: i + 1], tokenize=False)
-            if not (upto.startswith(prefix) and full.startswith(upto)):
+            alternative, _ = self._render([*messages[:i], stand_in, *messages[i + 1 :]], tools, template)
+            first = _common_prefix(full, alternative)
+            if first >= self.char_budget:
+                break  # this turn and the later ones lie beyond what the tokenizer sees
+            region_end = len(full) - _common_suffix(full, alternative, first)
+            start = first
+            if i > 0:
+                try:
+                    prompt, _ = self._render(messages[:i], tools, template, generation_prompt=True)
+                except SampleRejected:  # a template that will not end on this message
+                    prompt = None
+                if prompt is not None and full.startswith(prompt) and len(prompt) <= region_end:
+                    start = len(prompt)
+            upto, _ = self._render(messages[: i + 1], tools, template)
+            upto_alternative, _ = self._render([*messages[:i], stand_in], tools, template)
+            shared = _common_suffix(upto, upto_alternative, _common_prefix(upto, upto_alternative))
+            tail = upto[len(upto) - shared :].rstrip()  # the end-of-turn text
+            end = region_end + _common_prefix(full[region_end : region_end + len(tail)], tail)
+            if start < previous_end:
                 raise SampleRejected(
-                    f"chat template is not prefix-stable at message {i}, so the assistant tokens "
-                    "cannot be located; use a template with {% generation %} markers (data.chat_template)"
+                    f"chat template: the assistant tokens of message {i} cannot be located (its render "
+                    "overlaps the previous turn's); use a template with {% generation %} markers "
+                    "(data.chat_template)"
                 )
-            end = len(prefix) + len(upto[len(prefix) :].rstrip())
-            spans.append((len(prefix), end))
-        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = np.asarray(enc["input_ids"], np.int32)
-        offsets = np.asarray(enc["offset_mapping"], np.int64).reshape(-1, 2)
-        starts, ends = offsets[:, 0], offsets[:, 1]
+            spans[i] = (start, end)
+            previous_end = end
+        return spans
+
+    def _tokenize(self, full: str, spans: list[Span]) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Token ids and mask of ``full`` (cut to what max_length can use); whether the
+        ids are all of ``full``'s tokens."""
+        budget = self.char_budget
+        cut = len(full) > budget
+        ids, starts, ends = self._tokens(full[:budget] if cut else full)
+        if cut:
+            keep = self.spec.max_length
+            if len(ids) <= keep or ends[keep - 1] > budget - GUARD:
+                cut = False
+                ids, starts, ends = self._tokens(full)
         mask = np.zeros(len(ids), np.bool_)
         for a, b in spans:
             mask |= (starts < b) & (ends > a) & (ends > starts)
-        return ids, mask.astype(np.uint8)
+        return ids, mask.astype(np.uint8), not cut
 
-    def _limit(self, sample_id: str, ids: np.ndarray, mask: np.ndarray) -> EncodedSample | RejectedSample:
+    def _tokens(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        try:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except Exception as exc:
+            raise SampleRejected(f"the tokenizer rejected the rendered text: {exc}") from None
+        ids = np.asarray(enc["input_ids"], np.int32)
+        offsets = np.asarray(enc["offset_mapping"], np.int64).reshape(-1, 2)
+        return ids, offsets[:, 0], offsets[:, 1]
+
+    def _limit(
+        self, sample_id: str, ids: np.ndarray, mask: np.ndarray, exact: bool
+    ) -> EncodedSample | RejectedSample:
         max_length = self.spec.max_length
         truncated = False
         if len(ids) > max_length:
             if self.spec.too_long == "skip":
+                count = f"{len(ids)} tokens" if exact else f"over {len(ids)} tokens"
                 return RejectedSample(
                     sample_id,
-                    f"too long: {len(ids)} tokens > data.max_length {max_length} (data.too_long: skip)",
+                    f"too long: {count} > data.max_length {max_length} (data.too_long: skip)",
                 )
             ids, mask, truncated = ids[:max_length], mask[:max_length], True
         if not mask.any():
             where = f" within the first {max_length} tokens" if truncated else ""
             return RejectedSample(sample_id, f"no assistant tokens{where}: nothing to train on")
         return EncodedSample(sample_id, np.ascontiguousarray(ids), np.ascontiguousarray(mask), truncated)
+
+
+_GENERATION_TAG = re.compile(r"\{%(-?)\s*(end)?generation\s*(-?)%\}")
+_SPAN_OPEN, _SPAN_CLOSE = "\ue010", "\ue011"
+_SENTINELS = re.compile(f"([{_SPAN_OPEN}{_SPAN_CLOSE}])")
+
+
+@functools.lru_cache(maxsize=8)
+def _with_sentinels(template: str) -> str:
+    """``template`` with each generation block an ``if true`` block that emits a sentinel
+    at its ends: two block tags where there was one, so whitespace control (the tag's own
+    dashes, trim_blocks, lstrip_blocks) acts on the text around them as before."""
+
+    def swap(tag: re.Match[str]) -> str:
+        left, end, right = tag.group(1), tag.group(2), tag.group(3)
+        if end:
+            return f"{{%{left} endif %}}{{{{ '{_SPAN_CLOSE}' }}}}{{% endif {right}%}}"
+        return f"{{%{left} if true %}}{{{{ '{_SPAN_OPEN}' }}}}{{% if true {right}%}}"
+
+    return _GENERATION_TAG.sub(swap, template)
+
+
+def _strings(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    """All the text of a conversation, as JSON (to look for characters in it)."""
+    return json.dumps([messages, tools], ensure_ascii=False, default=str)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix, compared a block at a time (C speed)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n:
+        j = min(i + _COMPARE_STEP, n)
+        if a[i:j] != b[i:j]:
+            while a[i] == b[i]:
+                i += 1
+            return i
+        i = j
+    return n
+
+
+def _common_suffix(a: str, b: str, prefix: int) -> int:
+    """Length of the longest common suffix that does not reach into the first ``prefix`` characters."""
+    n = min(len(a), len(b)) - prefix
+    i = 0
+    while i < n:
+        j = min(i + _COMPARE_STEP, n)
+        if a[len(a) - j : len(a) - i] != b[len(b) - j : len(b) - i]:
+            while a[len(a) - 1 - i] == b[len(b) - 1 - i]:
+                i += 1
+            return i
+        i = j
+    return n
+
+
+def _without_reasoning(text: str, spans: list[Span]) -> list[Span]:
+    """``spans`` less each <think>...</think> block in them and the whitespace after it."""
+    kept: list[Span] = []
+    for a, b in spans:
+        pos = a
+        while True:
+            open_at = text.find(THINK_OPEN, pos, b)
+            if open_at < 0:
+                kept.append((pos, b))
+                break
+            kept.append((pos, open_at))
+            close_at = text.find(THINK_CLOSE, open_at, b)
+            if close_at < 0:
+                break
+            pos = close_at + len(THINK_CLOSE)
+            while pos < b and text[pos].isspace():
+                pos += 1
+    return [(a, b) for a, b in kept if b > a]
+
+
+def _check_tools_rendered(
+    conv: Conversation, full: str, spans: list[Span], located: dict[int, Span] | None
+) -> None:
+    """Reject a conversation whose tool parts the template left out of the text.
+
+    ``located``: each assistant message's span where known (prefix-diff); a message
+    without one lies beyond what the tokenizer sees and is not checked."""
+    generated = "".join(full[a:b] for a, b in spans)
+    for i, message in enumerate(conv.messages):
+        calls = message.get("tool_calls", ())
+        if calls and (located is None or i in located):
+            turn = generated if located is None else full[located[i][0] : located[i][1]]
+            for call in calls:
+                name = call["function"]["name"]
+                if name not in turn:
+                    raise SampleRejected(
+                        f"the chat template did not render the tool call {name!r} of message {i} in the "
+                        "assistant's turn: it does not support tool calls; set data.chat_template to one "
+                        "that does"
+                    )
+        if message["role"] == "tool":
+            result = message["content"].strip()
+            if result and result not in full and _json_escaped(result) not in full:
+                raise SampleRejected(
+                    f"the chat template left out the tool result of message {i}: it does not support "
+                    "tool messages; set data.chat_template to one that does"
+                )
+    missing = [t["function"]["name"] for t in conv.tools or () if t["function"]["name"] not in full]
+    if missing:
+        raise SampleRejected(
+            f"the chat template did not render the tool definitions ({', '.join(missing)}): it ignores "
+            "tools; set data.chat_template to one that renders them"
+        )
+
+
+def _json_escaped(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)[1:-1]

@@ -2,12 +2,35 @@
 
 Every problem raises SampleRejected with a reason that names the field, so a
 bad record lands in ``rejected.jsonl`` instead of crashing or vanishing.
+
+Conversations come out in the shape Hugging Face chat templates take, tool
+calling included (the OpenAI shape):
+
+* ``{"role": "system" | "user", "content": str}``;
+* ``{"role": "assistant", "content": str, "reasoning_content": str,
+  "tool_calls": [{"type": "function", "function": {"name": str, "arguments": ...},
+  "id": str}]}``: ``content`` is "" when the turn only calls tools (OpenAI's
+  ``content: null``, which vLLM also hands templates as ""), the other keys only
+  when given; ``arguments`` parsed from OpenAI's JSON string into the object
+  templates serialize themselves;
+* ``{"role": "tool", "content": str, "tool_call_id": str, "name": str}``;
+* tool definitions as ``[{"type": "function", "function": {...}}]``.
+
+OpenAI: roles system/developer, user, assistant, tool (and the legacy
+``function`` role and ``function_call`` field); ``reasoning_content`` (or
+``reasoning``) on assistant messages. ShareGPT: ``function_call`` turns (a JSON
+object, or a list of them, with ``name`` and ``arguments``) become assistant
+tool calls and ``observation`` / ``tool`` turns tool results; record-level
+``tools`` (a list, or a JSON string of one, of bare function specs or OpenAI
+tool objects) and ``system`` as LLaMA-Factory writes them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 SHAREGPT_ROLES = {
     "system": "system",
@@ -17,8 +40,19 @@ SHAREGPT_ROLES = {
     "assistant": "assistant",
     "chatgpt": "assistant",
     "model": "assistant",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
 }
-OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+OPENAI_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "function": "tool",  # OpenAI's legacy function-calling results
+}
+INT64 = 2**63
 
 
 class SampleRejected(Exception):
@@ -27,7 +61,8 @@ class SampleRejected(Exception):
 
 @dataclass(frozen=True)
 class Conversation:
-    messages: list[dict[str, str]]  # [{"role": system|user|assistant, "content": str}]
+    messages: list[dict[str, Any]]  # in the shape described in the module docstring
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -36,8 +71,11 @@ class PreTokenized:
     loss_mask: list[int] | None
 
 
+_FORMAT_FIELDS = (("conversations", "sharegpt"), ("messages", "openai"), ("input_ids", "tokenized"))
+
+
 def detect_format(value: dict[str, Any]) -> str:
-    for field, name in (("conversations", "sharegpt"), ("messages", "openai"), ("input_ids", "tokenized")):
+    for field, name in _FORMAT_FIELDS:
         if field in value:
             return name
     raise SampleRejected(
@@ -48,10 +86,20 @@ def detect_format(value: dict[str, Any]) -> str:
 def parse_record(value: dict[str, Any], fmt: str) -> Conversation | PreTokenized:
     fmt = detect_format(value) if fmt == "auto" else fmt
     if fmt == "sharegpt":
-        return _parse_turns(value, "conversations", "from", "value", SHAREGPT_ROLES)
+        return _parse_sharegpt(value)
     if fmt == "openai":
-        return _parse_turns(value, "messages", "role", "content", OPENAI_ROLES)
+        return _parse_openai(value)
     return _parse_tokenized(value)
+
+
+def _missing(value: dict[str, Any], field: str, fmt: str) -> SampleRejected:
+    """A missing top-level field; says so when the record is in another format."""
+    other = next((name for f, name in _FORMAT_FIELDS if f in value and name != fmt), None)
+    if other is None:
+        return SampleRejected(f"missing '{field}' field")
+    return SampleRejected(
+        f"missing '{field}' field (data.format is {fmt}, but this record is {other}; use data.format: auto)"
+    )
 
 
 def _text(content: Any, where: str) -> str:
@@ -67,53 +115,212 @@ def _text(content: Any, where: str) -> str:
                 raise SampleRejected(f"{where}[{i}]: only text content parts are supported")
             texts.append(part["text"])
         return "".join(texts)
-    raise SampleRejected(f"{where}: content must be a string, got {type(content).__name__}")
+    raise SampleRejected(f"{where}: content must be a string, got {_type_name(content)}")
 
 
-def _parse_turns(
-    value: dict[str, Any], field: str, role_key: str, content_key: str, roles: dict[str, str]
-) -> Conversation:
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _turns(value: dict[str, Any], field: str, fmt: str) -> list[Any]:
     turns = value.get(field)
     if turns is None:
-        raise SampleRejected(f"missing '{field}' field")
+        raise _missing(value, field, fmt)
     if not isinstance(turns, list):
-        raise SampleRejected(f"'{field}' must be a list, got {type(turns).__name__}")
+        raise SampleRejected(f"'{field}' must be a list, got {_type_name(turns)}")
     if not turns:
         raise SampleRejected(f"empty conversation ('{field}' is [])")
-    messages = []
     for i, turn in enumerate(turns):
-        where = f"{field}[{i}]"
         if not isinstance(turn, dict):
-            raise SampleRejected(f"{where}: expected an object, got {type(turn).__name__}")
-        role = turn.get(role_key)
-        if not isinstance(role, str):
-            raise SampleRejected(f"{where}.{role_key}: missing or not a string")
-        if role.lower() not in roles:
-            raise SampleRejected(
-                f"{where}.{role_key}: unknown role {role!r} (expected one of {sorted(roles)})"
-            )
-        if content_key not in turn:
-            raise SampleRejected(f"{where}.{content_key}: missing")
-        messages.append(
-            {"role": roles[role.lower()], "content": _text(turn[content_key], f"{where}.{content_key}")}
-        )
+            raise SampleRejected(f"{field}[{i}]: expected an object, got {_type_name(turn)}")
+    return turns
+
+
+def _role(turn: dict[str, Any], where: str, key: str, roles: dict[str, str]) -> tuple[str, str]:
+    role = turn.get(key)
+    if not isinstance(role, str):
+        raise SampleRejected(f"{where}.{key}: missing or not a string")
+    if role.lower() not in roles:
+        raise SampleRejected(f"{where}.{key}: unknown role {role!r} (expected one of {sorted(roles)})")
+    return role.lower(), roles[role.lower()]
+
+
+def _parse_openai(value: dict[str, Any]) -> Conversation:
+    messages = []
+    for i, turn in enumerate(_turns(value, "messages", "openai")):
+        where = f"messages[{i}]"
+        given, role = _role(turn, where, "role", OPENAI_ROLES)
+        if role == "assistant":
+            calls = turn.get("tool_calls")
+            if calls is None and turn.get("function_call") is not None:
+                calls = [{"type": "function", "function": turn["function_call"]}]
+                where_calls = f"{where}.function_call"
+            else:
+                where_calls = f"{where}.tool_calls"
+            reasoning = turn.get("reasoning_content", turn.get("reasoning"))
+            messages.append(_assistant(turn, "content", where, calls, where_calls, reasoning))
+        elif role == "tool":
+            if "content" not in turn:
+                raise SampleRejected(f"{where}.content: missing")
+            message = {"role": "tool", "content": _tool_result(turn["content"], f"{where}.content")}
+            for key in ("tool_call_id", "name"):
+                if turn.get(key) is not None:
+                    if not isinstance(turn[key], str):
+                        raise SampleRejected(f"{where}.{key}: must be a string, got {_type_name(turn[key])}")
+                    message[key] = turn[key]
+            if given == "function" and "name" not in message:
+                raise SampleRejected(f"{where}.name: a 'function' message needs the function's name")
+            messages.append(message)
+        else:
+            if "content" not in turn:
+                raise SampleRejected(f"{where}.content: missing")
+            messages.append({"role": role, "content": _text(turn["content"], f"{where}.content")})
+    return _conversation(messages, _tools(value.get("tools"), "tools"))
+
+
+def _parse_sharegpt(value: dict[str, Any]) -> Conversation:
+    messages: list[dict[str, Any]] = []
+    system = value.get("system")
+    if system is not None and not isinstance(system, str):
+        raise SampleRejected(f"'system' must be a string, got {_type_name(system)}")
+    for i, turn in enumerate(_turns(value, "conversations", "sharegpt")):
+        where = f"conversations[{i}]"
+        given, role = _role(turn, where, "from", SHAREGPT_ROLES)
+        if "value" not in turn:
+            raise SampleRejected(f"{where}.value: missing")
+        if given == "function_call":
+            calls = _function_call_value(turn["value"], f"{where}.value")
+            messages.append(_assistant({}, "value", where, calls, f"{where}.value", None))
+        elif role == "assistant":
+            messages.append(_assistant(turn, "value", where, None, "", turn.get("reasoning_content")))
+        elif role == "tool":
+            messages.append({"role": "tool", "content": _tool_result(turn["value"], f"{where}.value")})
+        else:
+            messages.append({"role": role, "content": _text(turn["value"], f"{where}.value")})
+    if system and not (messages and messages[0]["role"] == "system"):
+        messages.insert(0, {"role": "system", "content": system})
+    return _conversation(messages, _tools(value.get("tools"), "tools"))
+
+
+def _conversation(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Conversation:
     if not any(m["role"] == "assistant" for m in messages):
         raise SampleRejected("no assistant turn: nothing to train on")
-    return Conversation(messages)
+    return Conversation(messages, tools)
+
+
+def _assistant(
+    turn: dict[str, Any],
+    content_key: str,
+    where: str,
+    calls: Any,
+    where_calls: str,
+    reasoning: Any,
+) -> dict[str, Any]:
+    content = turn.get(content_key)
+    if content_key not in turn and calls is None:
+        raise SampleRejected(f"{where}.{content_key}: missing")
+    # A turn that only calls tools has content "" (as vLLM passes OpenAI's null to the
+    # template: the rendering served is the one to train on; templates test it as a string).
+    text = "" if content is None and calls is not None else _text(content, f"{where}.{content_key}")
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        if not isinstance(reasoning, str):
+            raise SampleRejected(f"{where}.reasoning_content: must be a string, got {_type_name(reasoning)}")
+        message["reasoning_content"] = reasoning
+    if calls is not None:
+        message["tool_calls"] = _tool_calls(calls, where_calls)
+    return message
+
+
+def _function_call_value(raw: Any, where: str) -> list[dict[str, Any]]:
+    """ShareGPT's function_call turn: a JSON object (or list) of {name, arguments}."""
+    parsed = _json_value(raw, where) if isinstance(raw, str) else raw
+    functions = parsed if isinstance(parsed, list) else [parsed]
+    return [{"type": "function", "function": f} for f in functions]
+
+
+def _json_value(raw: str, where: str) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise SampleRejected(f"{where}: not valid JSON ({exc})") from None
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list) or not calls:
+        raise SampleRejected(f"{where}: must be a non-empty list of tool calls, got {_type_name(calls)}")
+    normalized = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict):
+            raise SampleRejected(f"{at}: expected an object, got {_type_name(call)}")
+        if call.get("type", "function") != "function":
+            raise SampleRejected(f"{at}.type: only 'function' tool calls are supported, got {call['type']!r}")
+        function = call.get("function", call)  # ShareGPT lists bare {name, arguments}
+        if not isinstance(function, dict):
+            raise SampleRejected(f"{at}.function: expected an object, got {_type_name(function)}")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise SampleRejected(f"{at}.function.name: missing or not a string")
+        arguments = function.get("arguments", function.get("parameters", {}))
+        if isinstance(arguments, str):
+            arguments = _json_value(arguments, f"{at}.function.arguments") if arguments.strip() else {}
+        if not isinstance(arguments, dict):
+            raise SampleRejected(
+                f"{at}.function.arguments: must be a JSON object, got {_type_name(arguments)}"
+            )
+        entry: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        normalized.append(entry)
+    return normalized
+
+
+def _tool_result(content: Any, where: str) -> str:
+    """A tool's result: text, or any other JSON value as its JSON text."""
+    if isinstance(content, str | list) and (isinstance(content, str) or _text_parts(content)):
+        return _text(content, where)
+    if content is None:
+        raise SampleRejected(f"{where}: a tool result must not be null")
+    return orjson.dumps(content).decode()
+
+
+def _text_parts(content: list[Any]) -> bool:
+    return bool(content) and all(isinstance(p, dict) and p.get("type") == "text" for p in content)
+
+
+def _tools(raw: Any, where: str) -> list[dict[str, Any]] | None:
+    if raw is None or raw == "" or raw == []:
+        return None
+    if isinstance(raw, str):
+        raw = _json_value(raw, f"'{where}'")
+    if not isinstance(raw, list):
+        raise SampleRejected(f"'{where}' must be a list of tool definitions, got {_type_name(raw)}")
+    tools = []
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict):
+            raise SampleRejected(f"{where}[{i}]: expected an object, got {_type_name(tool)}")
+        function = tool.get("function", tool) if tool.get("type", "function") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise SampleRejected(f"{where}[{i}]: expected a function with a 'name'")
+        tools.append({"type": "function", "function": function})
+    return tools
 
 
 def _int_list(raw: Any, field: str) -> list[int]:
     if not isinstance(raw, list):
-        raise SampleRejected(f"'{field}' must be a list of integers, got {type(raw).__name__}")
+        raise SampleRejected(f"'{field}' must be a list of integers, got {_type_name(raw)}")
     for i, v in enumerate(raw):
         if not isinstance(v, int) or isinstance(v, bool):
             raise SampleRejected(f"{field}[{i}]: expected an integer, got {v!r}")
+        if not -INT64 <= v < INT64:
+            raise SampleRejected(f"{field}[{i}] = {v} is beyond 64-bit integers")
     return raw
 
 
 def _parse_tokenized(value: dict[str, Any]) -> PreTokenized:
     if "input_ids" not in value:
-        raise SampleRejected("missing 'input_ids' field")
+        raise _missing(value, "input_ids", "tokenized")
     ids = _int_list(value["input_ids"], "input_ids")
     if not ids:
         raise SampleRejected("'input_ids' is empty")

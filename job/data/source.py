@@ -3,28 +3,73 @@
 A record's id is its ``id`` field when it has one, else ``<file>:<n>`` where
 ``<file>`` is the path relative to ``data.path`` and ``n`` is the 1-based line
 number (JSONL) or the 0-based row number (Parquet). Both are stable across runs.
+
+Files: ``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst`` and ``.parquet``, suffixes in any
+case. In a directory, everything else is skipped and named (``SkippedInput``,
+logged as ``input_files_skipped``): other suffixes, hidden files and directories,
+links to directories, and this job's own output directories (a directory holding
+``manifest.json`` or ``.lock``), which would otherwise be read back as input.
+
+What one record can do is bounded, so no record crashes the run or sets its memory:
+
+* a JSONL line over ``max_record_bytes`` is rejected without being held (it is
+  read through in 1 MiB pieces);
+* JSON is parsed by orjson (no RecursionError): invalid UTF-8, lone surrogates
+  (``"\\udc80"``) and NaN/Infinity are malformed JSON, a rejection naming the
+  line; nesting deeper than ``MAX_DEPTH`` (64) levels is rejected too; integers beyond
+  64 bits arrive as floats, which job.data.formats rejects where integers belong;
+* an ``id`` must be a non-empty string or an integer, at most ``MAX_ID_BYTES`` of
+  UTF-8; anything else rejects the record under its ``<file>:<n>`` id;
+* ``\\n``, ``\\r\\n`` and a lone ``\\r`` all end a line (JSON strings cannot hold a
+  raw CR, so splitting on it never cuts a record), and a UTF-8 byte order mark
+  at the start of a file is skipped;
+* a ``.jsonl`` file that is a JSON document rather than JSON Lines (its first line
+  opens an array, or is a lone ``{``) is a file-level error naming the file:
+  read line by line it would yield nothing but rejections.
+
+Parquet rows are read in batches of about ``PARQUET_BATCH_BYTES`` (from the row
+groups' sizes) rather than a fixed row count, so large rows do not pile up.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
-import json
+import os
+import re
+import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import orjson
+from awscrt.checksums import crc64nvme
+
+from job.checksum import encode as encode_crc
 from job.errors import ConfigError
 from job.settings import config_dir
 from job.storage import connect_transport, uri_scheme
 from job.storage.transport import ObjectInfo
 
 BUILTIN_EXAMPLES = "builtin:examples"
-DATA_SUFFIXES = (".jsonl", ".parquet")
-# A sample id names the sample everywhere (shard headers, manifests, vLLM request ids, the
-# capture ring's step headers, sized for it): longer ids are rejected.
-MAX_SAMPLE_ID_BYTES = 1024
+# Lower case; names are matched case-insensitively.
+DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+DEFAULT_MAX_RECORD_BYTES = 64 * 1024**2
+MAX_ID_BYTES = 512
+# Deeper records are rejected: the tokenizer processes, the templates' tojson and repr all
+# recurse, and Python's recursion limit (1000) is below orjson's (1024).
+MAX_DEPTH = 64
+PARQUET_BATCH_BYTES = 64 * 1024**2
+READ_CHUNK = 1024**2
+_CRC_BUFFER = 8 * 1024**2
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+_BOM = b"\xef\xbb\xbf"
+# Names of what a job run writes into an index directory (job.storage): a directory
+# holding one of them is an output, never input.
+_OUTPUT_MARKERS = ("manifest.json", ".lock")
+_SKIP_LOG_LIMIT = 100  # names listed in one log event; the count is always complete
 
 
 @dataclass(frozen=True)
@@ -33,6 +78,21 @@ class InputFile:
     size: int
     open: Callable[[], IO[bytes]]
     location: str  # for messages
+    # What the data fingerprint takes from the content: the CRC64NVME of a local file's
+    # bytes, the ETag of an S3 object; None: name and size only.
+    content_id: str | None = None
+
+
+@dataclass(frozen=True)
+class SkippedInput:
+    name: str  # relative to data.path; a directory's name ends with "/"
+    reason: str
+
+
+@dataclass(frozen=True)
+class InputListing:
+    files: list[InputFile]
+    skipped: list[SkippedInput] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,107 +101,382 @@ class Record:
     value: dict[str, Any] | None  # None when the record could not be parsed
     error: str | None
     bytes_done: int  # input bytes consumed so far, for progress
+    size: int = 0  # bytes of the raw record (JSONL line; Parquet: an estimate)
+
+
+def is_data_file(name: str) -> bool:
+    return name.lower().endswith(DATA_SUFFIXES)
 
 
 def list_input_files(path: str) -> list[InputFile]:
-    """The data files under ``path`` in a stable (sorted) order."""
+    """The data files under ``path`` in a stable (sorted) order; the files skipped
+    in a directory are logged (``input_files_skipped``)."""
+    listing = scan_input(path)
+    if listing.skipped:
+        log_skipped(listing.skipped)
+    return listing.files
+
+
+def log_skipped(skipped: list[SkippedInput]) -> None:
+    from job.logs import get_logger
+
+    get_logger().warning(
+        "input_files_skipped",
+        count=len(skipped),
+        skipped=[{"name": s.name, "reason": s.reason} for s in skipped[:_SKIP_LOG_LIMIT]],
+        listed=min(len(skipped), _SKIP_LOG_LIMIT),
+    )
+
+
+def scan_input(path: str) -> InputListing:
+    """The data files under ``path`` and, for a directory, what was skipped and why."""
+    if not path.strip():
+        raise ConfigError(
+            "data.path is empty (an unset variable in --data.path=$VAR?); set it to a JSONL or "
+            "Parquet file, a directory of them, or an s3:// URI"
+        )
     if uri_scheme(path) is not None:
         return _list_objects(path)
     root = config_dir() / "examples" if path == BUILTIN_EXAMPLES else Path(path).expanduser()
+    skipped: list[SkippedInput] = []
     if root.is_file():
-        if root.suffix not in DATA_SUFFIXES:
-            raise ConfigError(f"data.path: {root} is not a .jsonl or .parquet file")
+        if not is_data_file(root.name):
+            raise ConfigError(f"data.path: {_printable(str(root))} is not a {_SUFFIX_LIST} file")
         candidates = [(root.name, root)]
     elif root.is_dir():
-        candidates = sorted(
-            (p.relative_to(root).as_posix(), p)
-            for p in root.rglob("*")
-            if p.is_file() and p.suffix in DATA_SUFFIXES
-        )
+        candidates = _walk(root, skipped)
         if not candidates:
-            raise ConfigError(f"data.path: no .jsonl or .parquet files under {root}")
+            raise ConfigError(
+                f"data.path: no {_SUFFIX_LIST} files under {_printable(str(root))}{_skipped_summary(skipped)}"
+            )
     else:
-        raise ConfigError(f"data.path: {path} does not exist")
+        raise ConfigError(f"data.path: {_printable(path)} does not exist")
     files = []
     for name, p in candidates:
+        if not _encodable(name):
+            raise ConfigError(
+                f"data.path: the file name {_printable(name)} is not valid UTF-8; rename it "
+                "(sample ids are made from file names)"
+            )
         try:
             size = p.stat().st_size
+            content_id = "crc64nvme:" + _file_crc(p)
         except OSError as exc:
-            raise ConfigError(f"data.path: cannot read {p}: {exc.strerror}") from None
-        files.append(InputFile(name, size, (lambda p=p: p.open("rb")), str(p)))
-    return files
+            raise ConfigError(f"data.path: cannot read {_printable(str(p))}: {exc.strerror}") from None
+        files.append(InputFile(name, size, (lambda p=p: p.open("rb")), str(p), content_id))
+    return InputListing(files, skipped)
 
 
-def _list_objects(uri: str) -> list[InputFile]:
-    """The data objects at ``uri`` (one object, or every one under the prefix), sorted."""
+_SUFFIX_LIST = "/".join(DATA_SUFFIXES)
+
+
+def _walk(root: Path, skipped: list[SkippedInput]) -> list[tuple[str, Path]]:
+    found = []
+    for directory, dirnames, filenames in os.walk(root):
+        base = Path(directory)
+        rel = base.relative_to(root).as_posix()
+        prefix = "" if rel == "." else rel + "/"
+        if base != root and any(m in filenames for m in _OUTPUT_MARKERS):
+            skipped.append(
+                SkippedInput(
+                    _printable(prefix),
+                    "an output directory of this job (it holds manifest.json or .lock): not read as input",
+                )
+            )
+            dirnames.clear()
+            continue
+        for name in sorted(dirnames):
+            if name.startswith("."):
+                hidden = _printable(prefix + name + "/")
+                skipped.append(SkippedInput(hidden, "hidden directory: not searched"))
+            elif (base / name).is_symlink():
+                skipped.append(
+                    SkippedInput(_printable(prefix + name + "/"), "link to a directory: not followed")
+                )
+        dirnames[:] = sorted(n for n in dirnames if not n.startswith(".") and not (base / n).is_symlink())
+        for name in filenames:
+            reason = _skip_reason(name, base / name)
+            if reason is None:
+                found.append((prefix + name, base / name))
+            else:
+                skipped.append(SkippedInput(_printable(prefix + name), reason))
+    skipped.sort(key=lambda s: s.name)
+    return sorted(found)
+
+
+def _skip_reason(name: str, path: Path) -> str | None:
+    lower = name.lower()
+    if name.startswith("."):
+        return "hidden file"
+    if not is_data_file(name):
+        if lower.endswith(".json"):
+            return (
+                "a .json file is not read: name a JSON Lines file .jsonl; convert a JSON array "
+                "with jq -c '.[]' FILE.json > FILE.jsonl"
+            )
+        if lower.endswith((".gz", ".zst", ".bz2", ".xz", ".zip", ".tar")):
+            return "compressed file not read: only .jsonl.gz and .jsonl.zst are"
+        return f"not a data file ({_SUFFIX_LIST})"
+    if not path.is_file():
+        return "not a regular file (a broken link, or a special file)"
+    return None
+
+
+def _skipped_summary(skipped: list[SkippedInput]) -> str:
+    if not skipped:
+        return ""
+    shown = "; ".join(f"{s.name}: {s.reason}" for s in skipped[:5])
+    more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+    return f" (skipped {shown}{more})"
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(text: str) -> str:
+    """``text`` with anything UTF-8 cannot hold (surrogates from undecodable file names) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _file_crc(path: Path) -> str:
+    """CRC64NVME of a file's bytes, read through one reused buffer: no mapping, so the
+    pages read do not count in this process's RSS (its peak is what a pod is sized by)."""
+    crc = 0
+    buffer = bytearray(_CRC_BUFFER)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = crc64nvme(view[:n], crc)
+    return encode_crc(crc)
+
+
+def _list_objects(uri: str) -> InputListing:
+    """The data objects at ``uri`` (one object, or every one under the prefix), sorted; their
+    ETags make the content part of the data fingerprint."""
     transport, prefix = connect_transport(uri, "data.path")
     found: list[tuple[str, ObjectInfo]] = []
-    if prefix.endswith(DATA_SUFFIXES) and (info := transport.head(prefix)) is not None:
+    skipped: list[SkippedInput] = []
+    if is_data_file(prefix) and (info := transport.head(prefix)) is not None:
         found.append((prefix.rsplit("/", 1)[-1], info))
     if not found:
         base = f"{prefix}/" if prefix else ""
-        found = [(i.key[len(base) :], i) for i in transport.list(base) if i.key.endswith(DATA_SUFFIXES)]
+        for info in transport.list(base):
+            name = info.key[len(base) :]
+            if is_data_file(name):
+                found.append((name, info))
+            else:
+                skipped.append(SkippedInput(_printable(name), f"not a {_SUFFIX_LIST} object: not read"))
     if not found:
-        raise ConfigError(f"data.path: no .jsonl or .parquet objects at {uri}")
-    return [
-        InputFile(name, info.size, (lambda info=info: transport.open_reader(info)), transport.url(info.key))
+        raise ConfigError(f"data.path: no {_SUFFIX_LIST} objects at {uri}{_skipped_summary(skipped)}")
+    files = [
+        InputFile(
+            name,
+            info.size,
+            (lambda info=info: transport.open_reader(info)),
+            transport.url(info.key),
+            f"etag:{info.version}",
+        )
         for name, info in sorted(found, key=lambda item: item[0])
     ]
+    return InputListing(files, skipped)
 
 
 def data_fingerprint(files: list[InputFile]) -> str:
+    """Names, sizes and content ids: a same-size edit of a local file changes it."""
     digest = hashlib.sha256()
     for f in files:
-        digest.update(f"{f.name}\0{f.size}\n".encode())
+        digest.update(f"{f.name}\0{f.size}\0{f.content_id or ''}\n".encode())
     return "sha256:" + digest.hexdigest()
 
 
-def read_records(files: list[InputFile]) -> Iterator[Record]:
+def read_records(
+    files: list[InputFile], max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> Iterator[Record]:
     done = 0
     for f in files:
         try:
-            stream = f.open()
+            raw = f.open()
         except OSError as exc:
             raise ConfigError(f"data: cannot open {f.location}: {exc}") from None
-        with stream:
-            reader = _read_parquet if f.name.endswith(".parquet") else _read_jsonl
+        with raw:
             try:
-                for record, consumed in reader(f, stream):
-                    yield Record(record.sample_id, record.value, record.error, done + consumed)
+                if f.name.lower().endswith(".parquet"):
+                    records = _read_parquet(f, raw)
+                else:
+                    records = _read_jsonl(f, raw, max_record_bytes)
+                for record, consumed in records:
+                    yield Record(record.sample_id, record.value, record.error, done + consumed, record.size)
+            except _DECOMPRESSION_ERRORS as exc:
+                raise ConfigError(f"data: cannot decompress {f.location}: {exc}") from None
             except OSError as exc:
                 raise ConfigError(f"data: cannot read {f.location}: {exc}") from None
         done += f.size
 
 
-def _record_id(value: Any, fallback: str) -> str:
-    if isinstance(value, dict):
-        rid = value.get("id")
-        if isinstance(rid, str) and rid:
-            return rid
-        if isinstance(rid, int) and not isinstance(rid, bool):
-            return str(rid)
-    return fallback
+def _zstd_error() -> type[Exception]:
+    import zstandard
+
+    return zstandard.ZstdError
 
 
-def _read_jsonl(f: InputFile, stream: IO[bytes]) -> Iterator[tuple[Record, int]]:
+_DECOMPRESSION_ERRORS: tuple[type[BaseException], ...] = (
+    gzip.BadGzipFile,
+    EOFError,
+    zlib.error,
+    _zstd_error(),
+)
+
+
+def _decoded(f: InputFile, raw: IO[bytes]) -> IO[bytes]:
+    lower = f.name.lower()
+    if lower.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if lower.endswith(".zst"):
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+    return raw
+
+
+def _record_id(value: dict[str, Any], fallback: str) -> tuple[str, str | None]:
+    """The record's id and, when its ``id`` field cannot be one, why not."""
+    rid = value.get("id")
+    if rid is None or rid == "":
+        return fallback, None
+    if isinstance(rid, bool) or not isinstance(rid, str | int):
+        return fallback, f"'id' must be a string or an integer, got {type(rid).__name__}"
+    rid = str(rid)
+    try:
+        encoded = rid.encode("utf-8")
+    except UnicodeEncodeError:
+        return fallback, f"'id' {_printable(rid)[:80]!r} is not valid Unicode (it holds a lone surrogate)"
+    if len(encoded) > MAX_ID_BYTES:
+        return fallback, f"'id' is {len(encoded)} bytes long; at most {MAX_ID_BYTES} are allowed"
+    return rid, None
+
+
+def _lines(stream: IO[bytes], limit: int) -> Iterator[tuple[bytes | None, int]]:
+    """``(line, length)`` for each line, its end not included in ``line`` but in
+    ``length``; ``line`` is None for a line over ``limit`` bytes, which is not held."""
+    pending = bytearray()
+    dropped = -1  # bytes of an over-long line read so far; -1: none
+    while True:
+        chunk = stream.read(READ_CHUNK)
+        if not chunk:
+            break
+        while chunk.endswith(b"\r"):  # a CR at the edge: is it half of a CRLF?
+            more = stream.read(1)
+            if not more:
+                break
+            chunk += more
+        start = 0
+        for end in _LINE_END.finditer(chunk):
+            piece = chunk[start : end.start()]
+            length = end.end() - start  # this chunk's part of the line, its end included
+            if dropped >= 0:
+                yield None, dropped + length
+                dropped = -1
+            elif pending:
+                whole = len(pending) + length
+                yield (None if len(pending) + len(piece) > limit else bytes(pending) + piece), whole
+                pending.clear()
+            else:
+                yield (None if len(piece) > limit else piece), length
+            start = end.end()
+        rest = chunk[start:]
+        if dropped >= 0:
+            dropped += len(rest)
+        elif len(pending) + len(rest) > limit:
+            dropped = len(pending) + len(rest)
+            pending.clear()
+        else:
+            pending += rest
+    if dropped >= 0:
+        yield None, dropped
+    elif pending:
+        yield bytes(pending), len(pending)
+
+
+def _not_json_lines(line: bytes, location: str) -> ConfigError | None:
+    """A file-level error when the first non-blank line shows a JSON document, not JSON Lines."""
+    head = line.strip()
+    if head.startswith(b"["):
+        what = "a JSON array"
+    elif head == b"{":
+        what = "pretty-printed JSON (an object spread over several lines)"
+    else:
+        return None
+    return ConfigError(
+        f"data: {location} is {what}, not JSON Lines (one JSON object per line); convert it, "
+        "e.g. jq -c '.[]' FILE > FILE.jsonl for an array, jq -c . FILE > FILE.jsonl for objects"
+    )
+
+
+def _read_jsonl(f: InputFile, raw: IO[bytes], limit: int) -> Iterator[tuple[Record, int]]:
+    stream = _decoded(f, raw)
+    compressed = stream is not raw
     consumed = 0
-    for lineno, raw in enumerate(stream, start=1):
-        consumed += len(raw)
-        if not raw.strip():
-            continue  # blank lines are not samples
+    first = True
+    for lineno, (line, length) in enumerate(_lines(stream, limit), start=1):
+        consumed += length
+        # Progress counts file bytes: for compressed files, what was read of the file.
+        position = raw.tell() if compressed else consumed
         fallback = f"{f.name}:{lineno}"
-        try:
-            value = json.loads(raw)
-        except UnicodeDecodeError:
-            yield Record(fallback, None, "line is not valid UTF-8", 0), consumed
+        if line is None:
+            reason = (
+                f"record is {length:,} bytes, over data.max_record_bytes ({limit:,}); not read. Raise "
+                "data.max_record_bytes (memory grows with it) or split the record"
+            )
+            yield Record(fallback, None, reason, 0, length), position
+            first = False
             continue
-        except json.JSONDecodeError as exc:
-            yield Record(fallback, None, f"malformed JSON: {exc.msg} at column {exc.colno}", 0), consumed
+        if lineno == 1 and line.startswith(_BOM):
+            line = line[len(_BOM) :]
+        if not line.strip():
+            continue  # blank lines are not samples
+        if first:
+            first = False
+            error = _not_json_lines(line, f.location)
+            if error is not None:
+                raise error
+        try:
+            value = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            yield Record(fallback, None, f"malformed JSON: {exc}", 0, length), position
             continue
         if not isinstance(value, dict):
-            yield Record(fallback, None, f"expected a JSON object, got {type(value).__name__}", 0), consumed
+            reason = f"expected a JSON object, got {_json_type(value)}"
+            yield Record(fallback, None, reason, 0, length), position
             continue
-        yield Record(_record_id(value, fallback), value, None, 0), consumed
+        if _nested_deeper(value, MAX_DEPTH):
+            reason = f"JSON nested deeper than {MAX_DEPTH} levels"
+            yield Record(fallback, None, reason, 0, length), position
+            continue
+        sample_id, id_error = _record_id(value, fallback)
+        yield Record(sample_id, None if id_error else value, id_error, 0, length), position
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests containers deeper than ``limit`` (checked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
+def _json_type(value: Any) -> str:
+    return {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(
+        type(value), "null"
+    )
 
 
 def _read_parquet(f: InputFile, stream: IO[bytes]) -> Iterator[tuple[Record, int]]:
@@ -153,10 +488,40 @@ def _read_parquet(f: InputFile, stream: IO[bytes]) -> Iterator[tuple[Record, int
         parquet = pq.ParquetFile(source)
     except (pa.ArrowException, ValueError) as exc:
         raise ConfigError(f"data: {f.location} is not a readable Parquet file: {exc}") from None
-    rows_total = max(parquet.metadata.num_rows, 1)
+    metadata = parquet.metadata
+    rows_total = max(metadata.num_rows, 1)
+    data_bytes = sum(metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups))
+    row_bytes = max(1, data_bytes // rows_total)
+    batch_rows = max(1, min(512, PARQUET_BATCH_BYTES // row_bytes))
     row = 0
-    for batch in parquet.iter_batches(batch_size=512):
-        for value in batch.to_pylist():
-            row += 1
-            consumed = f.size * row // rows_total
-            yield Record(_record_id(value, f"{f.name}:{row - 1}"), value, None, 0), consumed
+    try:
+        for batch in parquet.iter_batches(batch_size=batch_rows):
+            for value, error in _batch_rows(batch):
+                row += 1
+                consumed = f.size * row // rows_total
+                fallback = f"{f.name}:{row - 1}"
+                if error is not None:
+                    yield Record(fallback, None, error, 0, row_bytes), consumed
+                    continue
+                sample_id, id_error = _record_id(value, fallback)
+                yield Record(sample_id, None if id_error else value, id_error, 0, row_bytes), consumed
+    except (pa.ArrowException, ValueError) as exc:
+        raise ConfigError(f"data: cannot read {f.location} (Parquet) after row {row}: {exc}") from None
+
+
+def _batch_rows(batch: Any) -> Iterator[tuple[dict[str, Any], None] | tuple[None, str]]:
+    """The rows of a record batch as dicts; a row that does not convert to Python
+    (invalid UTF-8 in a string column) becomes an error for that row only."""
+    try:
+        rows = batch.to_pylist()
+    except (UnicodeDecodeError, ValueError):
+        rows = None
+    if rows is not None:
+        for value in rows:
+            yield value, None
+        return
+    for i in range(batch.num_rows):
+        try:
+            yield batch.slice(i, 1).to_pylist()[0], None
+        except (UnicodeDecodeError, ValueError) as exc:
+            yield None, f"row cannot be read: {exc}"

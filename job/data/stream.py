@@ -20,9 +20,12 @@ from multiprocessing import get_context
 from typing import Any
 
 from job.data.encode import EncodedSample, EncoderSpec, RejectedSample, SampleEncoder
-from job.data.source import MAX_SAMPLE_ID_BYTES, Record
+from job.data.source import MAX_ID_BYTES, Record
 
 CHUNK = 32
+# A chunk also ends once its records hold this many raw bytes: a run of large records
+# travels to the tokenizer processes a few at a time, not 32 at once.
+CHUNK_BYTES = 16 * 1024**2
 _DONE = object()
 
 _worker_encoder: SampleEncoder | None = None
@@ -111,6 +114,7 @@ class EncodedStream:
 
     def _owned_chunks(self) -> Iterator[list[tuple[str, dict[str, Any] | None, str | None]]]:
         chunk: list[tuple[str, dict[str, Any] | None, str | None]] = []
+        chunk_bytes = 0
         stats = self.stats
         for record in self._records:
             stats.records_seen += 1
@@ -119,12 +123,12 @@ class EncodedStream:
                 continue
             stats.owned += 1
             id_bytes = len(record.sample_id.encode("utf-8", "surrogatepass"))
-            if id_bytes > MAX_SAMPLE_ID_BYTES:
+            if id_bytes > MAX_ID_BYTES:
                 chunk.append(
                     (
                         record.sample_id,
                         None,
-                        f"id is {id_bytes} bytes long; at most {MAX_SAMPLE_ID_BYTES} allowed",
+                        f"id is {id_bytes} bytes long; at most {MAX_ID_BYTES} allowed",
                     )
                 )
             elif record.sample_id in stats.seen_ids:
@@ -140,9 +144,10 @@ class EncodedStream:
                     stats.skipped_done += 1
                     continue
                 chunk.append((record.sample_id, record.value, record.error))
-            if len(chunk) >= CHUNK:
+                chunk_bytes += record.size
+            if len(chunk) >= CHUNK or chunk_bytes >= CHUNK_BYTES:
                 yield chunk
-                chunk = []
+                chunk, chunk_bytes = [], 0
             if self._stop.is_set():
                 return
         if chunk:

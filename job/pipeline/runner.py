@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from job.backends import Backend, create_backend
-from job.data.source import read_records
+from job.data.source import log_skipped, read_records
 from job.data.stream import EncodedStream
 from job.errors import ConfigError, JobError, Terminated
 from job.layout import REJECTED, log_name
@@ -117,6 +117,8 @@ class IndexRun:
             resumed_samples=self.resumed.written_before,
             output=self.store.location,
         )
+        if self.setup.skipped:
+            log_skipped(self.setup.skipped)
 
     def _wire(self, cleanup: ExitStack) -> _Wiring:
         """Set up every stage, each registered for clean-up as soon as it exists."""
@@ -130,7 +132,7 @@ class IndexRun:
 
         _ = transformers.AutoTokenizer, transformers.AutoModelForCausalLM
         stream = EncodedStream(
-            read_records(setup.files),
+            read_records(setup.files, int(settings.data.max_record_bytes)),
             setup.encoder,
             index=settings.work.index,
             count=settings.work.count,

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from job.data.encode import EncoderSpec, read_chat_template
-from job.data.source import InputFile, data_fingerprint, list_input_files
+from job.data.source import InputFile, SkippedInput, data_fingerprint, scan_input
 from job.errors import ConfigError
 from job.hidden_dtype import HiddenDtype, stored_dtype
 from job.manifest import Identity
@@ -54,6 +54,7 @@ class RunSetup:
     encoder: EncoderSpec
     identity: Identity
     files: list[InputFile]
+    skipped: list[SkippedInput]  # in the data directory, not read (logged by the run)
 
     @property
     def bytes_per_token(self) -> int:
@@ -117,7 +118,7 @@ def prepare_run(settings: JobSettings) -> RunSetup:
     model = resolve_model(settings.model)
     check_backend(settings, model)
     layer_ids = model.resolve_layer_ids(settings.layers.ids)
-    files = list_input_files(settings.data.path)
+    listing = scan_input(settings.data.path)
     template = read_chat_template(settings.data.chat_template)
     dtype = stored_dtype(settings.model.dtype, settings.output.hidden_dtype)
     encoder = EncoderSpec(
@@ -127,17 +128,20 @@ def prepare_run(settings: JobSettings) -> RunSetup:
         max_length=settings.data.max_length,
         too_long=settings.data.too_long,
         vocab_size=model.vocab_size,
+        reasoning_in_loss=settings.data.reasoning_in_loss,
+        trust_remote_code=settings.model.trust_remote_code,
     )
     identity = Identity(
         model_config_hash=model.config_hash,
         layer_ids=layer_ids,
         storage=dtype.name,
-        data_fingerprint=data_fingerprint(files),
+        data_fingerprint=data_fingerprint(listing.files),
         data_format=settings.data.format,
         max_length=settings.data.max_length,
         too_long=settings.data.too_long,
+        reasoning_in_loss=settings.data.reasoning_in_loss,
         tokenizer_fingerprint=tokenizer_fingerprint(model, template),
         work_index=settings.work.index,
         work_count=settings.work.count,
     )
-    return RunSetup(settings, model, layer_ids, dtype, encoder, identity, files)
+    return RunSetup(settings, model, layer_ids, dtype, encoder, identity, listing.files, listing.skipped)
