@@ -59,6 +59,7 @@ fi
 graph_root=$("${podman[@]}" info --format '{{.Store.GraphRoot}}')
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/image-check.XXXXXX")
+chmod 755 "$work" # apt's unprivileged user reads the Ubuntu keyring from here
 containers=()
 s3_dir=$work/s3
 cleanup() {
@@ -156,9 +157,11 @@ else
   step "stand-in base $base: building (podman storage $graph_root: $(df -h --output=avail "$graph_root" | tail -1 | tr -d ' ') free)"
   t0=$SECONDS
   # Ubuntu's archive key, from Debian's archive (checked against this machine's Debian keyring).
-  mmdebstrap --quiet --variant=extract --include=ubuntu-keyring trixie "$work/keyring"
+  keyring=./usr/share/keyrings/ubuntu-archive-keyring.gpg
+  mmdebstrap --quiet --variant=extract --include=ubuntu-keyring trixie "$work/keyring.tar"
+  tar -xf "$work/keyring.tar" -C "$work" "$keyring"
   mmdebstrap --quiet --variant=minbase --components=main,universe --include="$rootfs_packages" \
-    --keyring="$work/keyring/usr/share/keyrings/ubuntu-archive-keyring.gpg" noble "$work/rootfs.tar"
+    --keyring="$work/$keyring" noble "$work/rootfs.tar"
   "${podman[@]}" import --quiet --change 'CMD ["/bin/bash"]' "$work/rootfs.tar" "$rootfs" >/dev/null
   rm "$work/rootfs.tar"
   probe "$rootfs" # before the long build
