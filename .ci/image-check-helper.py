@@ -7,7 +7,7 @@ PyYAML and boto3): reading the Kubernetes Job, the S3 side of the checks, and th
   supersede BUCKET KEY           wait for the manifest KEY, then rewrite it as another pod would
   download BUCKET PREFIX DIR     every object under PREFIX/ into DIR
   check-index DIR SAMPLES        DIR's manifest is complete and lists SAMPLES distinct samples
-  packages                       name==version of every installed distribution, sorted
+  packages                       name==version of every installed distribution (lower case), sorted
 
 S3 is reached through boto3's standard environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).
 """
@@ -87,8 +87,12 @@ def check_index(index_dir: str, samples: str) -> None:
 
 
 def packages() -> None:
-    found = {(d.metadata["Name"], d.version) for d in importlib.metadata.distributions()}
-    print("\n".join(f"{name}=={version}" for name, version in sorted(found, key=lambda p: p[0].lower())))
+    """Where a name is installed twice (the stand-in's Ubuntu pip below PyPI's), the one first on
+    sys.path: the one Python imports."""
+    found: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        found.setdefault(dist.metadata["Name"].lower(), dist.version)
+    print("\n".join(f"{name}=={version}" for name, version in sorted(found.items())))
 
 
 COMMANDS = {
