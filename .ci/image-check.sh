@@ -23,7 +23,8 @@
 #      and checks that the interrupted index ends complete with every sample exactly once.
 #
 # podman builds (chroot isolation) and runs the containers (runc: crun refuses hybrid cgroups here).
-# Disk: the stand-in is 11.1 GB and its build peaks higher; see README ("The image, built and run").
+# Disk: the stand-in is 11.1 GB and its build needs about 42 GiB free; see README ("The image,
+# built and run").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -154,7 +155,15 @@ if [ "$("${podman[@]}" image inspect --format '{{index .Labels "eagle3.standin.i
   2>/dev/null)" = "$inputs" ]; then
   step "stand-in base $base: up to date"
 else
-  step "stand-in base $base: building (podman storage $graph_root: $(df -h --output=avail "$graph_root" | tail -1 | tr -d ' ') free)"
+  # Measured peak: 41.2 GiB (du of podman's storage, /var/tmp and $work), while podman commits the
+  # stand-in's layer: the container's files, the layer staged in /var/tmp, and the stored layer.
+  need_gib=42
+  free_gib=$(df -P -BG "$graph_root" | awk 'NR == 2 { sub("G", "", $4); print $4 }')
+  if [ "$free_gib" -lt "$need_gib" ]; then
+    fail "building the stand-in needs about $need_gib GiB free for podman ($graph_root and /var/tmp);" \
+      "$graph_root has $free_gib GiB"
+  fi
+  step "stand-in base $base: building ($free_gib GiB free under $graph_root)"
   t0=$SECONDS
   # Ubuntu's archive key, from Debian's archive (checked against this machine's Debian keyring).
   keyring=./usr/share/keyrings/ubuntu-archive-keyring.gpg
