@@ -5,8 +5,12 @@
 # written (no registry access), so none is written here; pin it for
 # reproducible builds with the digest the registry reports:
 #   docker buildx imagetools inspect vllm/vllm-openai:v0.16.0
-#   -> FROM vllm/vllm-openai:v0.16.0@sha256:<Digest>
-FROM vllm/vllm-openai:v0.16.0
+#   -> --build-arg BASE_IMAGE=docker.io/vllm/vllm-openai:v0.16.0@sha256:<Digest>
+# Another base (.ci/image-check.sh builds on a stand-in) must be laid out like
+# it: Python with vLLM 0.16.0 as `python3` on PATH, pip working as root.
+ARG BASE_IMAGE=docker.io/vllm/vllm-openai:v0.16.0
+FROM ${BASE_IMAGE}
+ARG BASE_IMAGE
 
 ARG VERSION=0.1.0
 ARG REVISION=unknown
@@ -17,7 +21,7 @@ LABEL org.opencontainers.image.title="eagle3-extract" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.created="${CREATED}" \
       org.opencontainers.image.licenses="Apache-2.0" \
-      org.opencontainers.image.base.name="docker.io/vllm/vllm-openai:v0.16.0"
+      org.opencontainers.image.base.name="${BASE_IMAGE}"
 
 # The project goes into the image's own Python, next to vLLM, without its test
 # extra. Every package the image already has is a constraint at its installed
@@ -26,7 +30,7 @@ LABEL org.opencontainers.image.title="eagle3-extract" \
 # PIP_BREAK_SYSTEM_PACKAGES keeps pip working if it is marked externally
 # managed. The checks then fail the build on a wrong vLLM (0.16.0 expected;
 # never a CPU build) and prove the settings load.
-RUN --mount=type=bind,target=/src,rw \
+RUN --mount=type=bind,target=/src \
     python3 -m pip list --format=freeze > /tmp/image-packages.txt \
  && PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir \
         --constraint /tmp/image-packages.txt /src \
@@ -61,6 +65,8 @@ ENV HOME=/tmp \
     PYTHONUNBUFFERED=1
 
 USER 10001:10001
+# The default output.uri, ./out, is then /out: mount the output directory there.
+WORKDIR /
 
 # python3: the interpreter the vLLM image provides (a bare `python` is not guaranteed there).
 ENTRYPOINT ["python3", "-m", "job"]

