@@ -11,27 +11,35 @@ WORKER_EXTENSION = "job.worker.extension.HiddenStateCaptureExtension"
 PINNED_ENGINE_ARGS = {
     "enable_prefix_caching": False,  # a cached prefix is not recomputed: its states would be missing
     "enable_chunked_prefill": True,  # long samples span several steps; rows are accumulated per request
-    "enforce_eager": True,  # hooks do not run inside CUDA graphs
     "skip_tokenizer_init": True,
     "worker_extension_cls": WORKER_EXTENSION,
 }
+# additional_config key holding what the capture changes in the compiled graph: vLLM hashes
+# additional_config into its compile-cache key, and nothing else there names the aux layers,
+# so two layer sets would otherwise share (and load) one compiled graph.
+CAPTURE_CONFIG_KEY = "eagle3_extract_capture"
 
 
-def build_engine_config(engine_kwargs: dict[str, Any]) -> Any:
-    """EngineArgs -> VllmConfig with the pinned arguments; a clash or vLLM's refusal is a
-    ConfigError naming backend.vllm.engine_args."""
+def build_engine_config(engine_kwargs: dict[str, Any], capture: dict[str, Any]) -> Any:
+    """EngineArgs -> VllmConfig with the pinned arguments and the capture's compile-cache key;
+    a clash or vLLM's refusal is a ConfigError naming backend.vllm.engine_args."""
     from vllm.engine.arg_utils import EngineArgs
 
     clashes = {
         k: v for k, v in engine_kwargs.items() if k in PINNED_ENGINE_ARGS and PINNED_ENGINE_ARGS[k] != v
     }
+    additional = dict(engine_kwargs.get("additional_config") or {})
+    if CAPTURE_CONFIG_KEY in additional:
+        clashes[f"additional_config.{CAPTURE_CONFIG_KEY}"] = additional[CAPTURE_CONFIG_KEY]
     if clashes:
         raise ConfigError(
             f"backend.vllm.engine_args: {sorted(clashes)} cannot be changed; hidden-state capture "
-            f"needs { ({k: PINNED_ENGINE_ARGS[k] for k in clashes}) }"
+            f"needs { ({k: PINNED_ENGINE_ARGS.get(k, 'the job') for k in clashes}) }"
         )
+    additional[CAPTURE_CONFIG_KEY] = capture
+    pinned = {**engine_kwargs, **PINNED_ENGINE_ARGS, "additional_config": additional}
     try:
-        vllm_config = EngineArgs(**{**engine_kwargs, **PINNED_ENGINE_ARGS}).create_engine_config()
+        vllm_config = EngineArgs(**pinned).create_engine_config()
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"backend.vllm: vLLM rejected the engine arguments: {exc}") from None
     if vllm_config.parallel_config.pipeline_parallel_size != 1:

@@ -36,3 +36,11 @@ class VllmFacts(BaseModel):
     # The module of Model Runner V2's GPUModelRunner, whose input batch orders a step's
     # requests itself (Model Runner V1 keeps the persistent batch's order).
     model_runner_v2_module: str
+    # Model Runner V1's positions buffer is a CpuGpuBuffer (.gpu) rather than a plain tensor.
+    runner_positions_buffer: bool
+    # EagleModelMixin (0.18+): the model's aux hidden states cover every id in [0, N] in the
+    # job's numbering; before it (and for models with their own loop) only [1, N-1].
+    eagle_model_mixin: bool
+    # Capture under compilation and CUDA graphs (aux outputs + taps) has been verified on this
+    # line; where not, backend.vllm.enforce_eager must be true.
+    compiled_capture: bool

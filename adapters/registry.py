@@ -33,9 +33,10 @@ class AdapterSet:
     versions: SpecifierSet
     facts: VllmFacts
 
-    def engine_config(self, engine_kwargs: dict[str, Any]) -> Any:
-        """The VllmConfig for these EngineArgs, with what capture needs pinned."""
-        return engine.build_engine_config(engine_kwargs)
+    def engine_config(self, engine_kwargs: dict[str, Any], capture: dict[str, Any]) -> Any:
+        """The VllmConfig for these EngineArgs, with what capture needs pinned and ``capture`` (its
+        mode and layers) in the compile-cache key."""
+        return engine.build_engine_config(engine_kwargs, capture)
 
     def start_executor(self, vllm_config: Any) -> Any:
         return engine.start_executor(vllm_config)
@@ -68,6 +69,10 @@ class AdapterSet:
     def step_token_order(self, model_runner: Any, scheduler_output: Any) -> list[tuple[str, int]]:
         """Inside a worker: (request id, tokens) in the order the step's tokens were laid out."""
         return runners.step_token_order(self.facts, model_runner, scheduler_output)
+
+    def step_inputs(self, model_runner: Any) -> tuple[Any, Any]:
+        """Inside a worker, after a forward: the step's input ids and positions (device tensors)."""
+        return runners.step_inputs(self.facts, model_runner)
 
     def lowest_version(self) -> Version:
         bounds = [Version(s.version) for s in self.versions if s.operator in (">=", "==", "~=", ">")]

@@ -4,9 +4,11 @@ on the same GPU, the same prompts, in one run.
 Configurations (each group in its own process, so GPU memory and peak host
 memory are its own):
 
-* ``plain``  vLLM ``LLM.generate``, max_tokens=1, no capture (the ceiling);
+* ``plain``  vLLM ``LLM.generate``, max_tokens=1, no capture, vLLM's default compilation and
+  CUDA graphs (the ceiling); ``plain_eager``: the same with ``enforce_eager``;
 * ``null``   this job's vLLM backend, capture + device-to-host copy, rows dropped;
-* ``job``    this job, writing real shards to local disk (``job_shm``: to /dev/shm);
+* ``job``    this job, writing real shards to local disk (``job_shm``: to /dev/shm); compiled
+  capture unless ``--job-eager``;
 * ``native`` vLLM's ``extract_hidden_states`` + ``ExampleHiddenStatesConnector``;
 * ``hf``     the HF reference backend, batch 1, on fewer prompts;
 * ``write``  no GPU: ``python -m job run``'s pipeline fed rows from memory as fast
@@ -87,9 +89,97 @@ QWEN3_8B = {
     "eos_token_id": 151645,
     "torch_dtype": "bfloat16",
 }
+# Kimi-K2 / K2.5's language model (DeepSeek-V3 architecture: MLA, 384 routed experts top-8 plus
+# one shared, first layer dense) at full width, with 8 of its 61 layers so one GPU holds it, and
+# K2.5's INT4 quantization: routed experts W4A16 (int, groups of 32, compressed-tensors
+# pack-quantized), everything else bf16.
+KIMI_K2_PROXY = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "n_routed_experts": 384,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.827,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "vocab_size": 163840,
+    "max_position_embeddings": 262144,
+    "rope_theta": 50000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+    "torch_dtype": "bfloat16",
+    "quantization_config": {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "kv_cache_scheme": None,
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "input_activations": None,
+                "output_activations": None,
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": 32,
+                    "dynamic": False,
+                    "actorder": None,
+                    "block_structure": None,
+                    "observer": "minmax",
+                    "observer_kwargs": {},
+                },
+            }
+        },
+        "ignore": [
+            "lm_head",
+            "re:.*self_attn.*",
+            "re:.*shared_experts.*",
+            "re:.*mlp\\.gate$",
+            "re:.*mlp\\.(gate|up|down)_proj$",
+        ],
+    },
+}
+# The same shape in bf16 with 96 of the 384 experts (bf16 experts at full count do not fit).
+KIMI_K2_PROXY_BF16 = {
+    **{k: v for k, v in KIMI_K2_PROXY.items() if k != "quantization_config"},
+    "n_routed_experts": 96,
+}
 MODELS: dict[str, dict[str, Any] | None] = {
     "llama-3.1-8b": LLAMA_3_1_8B,
     "qwen3-8b": QWEN3_8B,
+    "kimi-k2-proxy": KIMI_K2_PROXY,
+    "kimi-k2-proxy-bf16": KIMI_K2_PROXY_BF16,
     "tiny-llama": None,  # builtin weights; a CPU smoke run of this script
 }
 RESULT_TAG = "BENCH_RESULT "
@@ -110,6 +200,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.7)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument(
+        "--job-eager",
+        action="store_true",
+        help="the job's groups in eager mode (forward hooks), not compiled",
+    )
     ap.add_argument("--work-dir", default="/tmp/eagle3-bench")
     ap.add_argument("--out", default="docs/benchmarks", help="results.jsonl, <run>.md and <run>.png go here")
     ap.add_argument("--timeout", type=int, default=420, help="seconds per group")
@@ -372,18 +467,20 @@ def _load_prompts(work: Path, name: str) -> list[np.ndarray]:
     return out
 
 
-def _engine_kwargs(args: argparse.Namespace, model_dir: Path, dummy: bool) -> dict[str, Any]:
+def _engine_kwargs(args: argparse.Namespace, model_dir: Path, dummy: bool, eager: bool) -> dict[str, Any]:
+    positions = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    wanted = max(args.long_tokens, args.max_tokens) + 1
     kwargs = {
         "model": str(model_dir),
         "skip_tokenizer_init": True,
         "dtype": "bfloat16",
         "seed": 0,
-        "enforce_eager": True,
+        "enforce_eager": eager,
         "enable_prefix_caching": False,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs,
         "gpu_memory_utilization": args.gpu_memory_utilization,
-        "max_model_len": max(args.long_tokens, args.max_tokens) + 1,
+        "max_model_len": min(wanted, positions) if positions else wanted,
         "tensor_parallel_size": args.tensor_parallel_size,
     }
     if dummy:
@@ -433,18 +530,29 @@ def _generate(llm: Any, prompts: list[np.ndarray]) -> tuple[float, list[Any]]:
     return time.perf_counter() - start, outputs
 
 
-def _worker_plain(args: argparse.Namespace) -> dict[str, Any]:
+def _plain(args: argparse.Namespace, eager: bool) -> dict[str, Any]:
     from vllm import LLM
 
+    config = "plain_eager" if eager else "plain"
     work = Path(args.work_dir)
     model_dir, dummy = _model_dir(args)
     regular, long = _load_prompts(work, "prompts.jsonl"), _load_prompts(work, "long.jsonl")
-    llm = LLM(**_engine_kwargs(args, model_dir, dummy))
+    llm = LLM(**_engine_kwargs(args, model_dir, dummy, eager))
     _generate(llm, regular[:8])
-    rows = [_row("plain", regular, _generate(llm, regular)[0])]
+    mode = "eager" if eager else "default compilation and CUDA graphs"
+    rows = [_row(config, regular, _generate(llm, regular)[0], notes=mode)]
     if long:
-        rows.append(_row("plain", long, _generate(llm, long)[0], notes=f"{args.long_tokens}-token prompts"))
+        notes = f"{args.long_tokens}-token prompts, {mode}"
+        rows.append(_row(config, long, _generate(llm, long)[0], notes=notes))
     return {"rows": rows}
+
+
+def _worker_plain(args: argparse.Namespace) -> dict[str, Any]:
+    return _plain(args, eager=False)
+
+
+def _worker_plain_eager(args: argparse.Namespace) -> dict[str, Any]:
+    return _plain(args, eager=True)
 
 
 def _worker_native(args: argparse.Namespace) -> dict[str, Any]:
@@ -463,7 +571,7 @@ def _worker_native(args: argparse.Namespace) -> dict[str, Any]:
     store = work / "native"
     shutil.rmtree(store, ignore_errors=True)
     llm = LLM(
-        **_engine_kwargs(args, model_dir, dummy),
+        **_engine_kwargs(args, model_dir, dummy, eager=True),  # as measured before: eager
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -586,14 +694,17 @@ def _job_settings(args: argparse.Namespace, model_dir: Path, dummy: bool, data: 
     from job.settings import load_settings
 
     engine_args = {"load_format": "dummy"} if dummy else {}
+    positions = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    max_length = max(args.long_tokens, args.max_tokens)
     return load_settings(
         cli_args=[
             f"--model.path={model_dir}",
             f"--data.path={data}",
             "--data.format=tokenized",
             "--data.tokenizer_workers=0",  # pre-tokenized: no tokenizer processes to start
-            f"--data.max_length={max(args.long_tokens, args.max_tokens)}",
+            f"--data.max_length={min(max_length, positions) if positions else max_length}",
             "--backend.name=vllm",
+            f"--backend.vllm.enforce_eager={args.job_eager}",
             f"--backend.tensor_parallel_size={args.tensor_parallel_size}",
             f"--backend.vllm.max_num_batched_tokens={args.max_num_batched_tokens}",
             f"--backend.vllm.max_num_seqs={args.max_num_seqs}",
@@ -742,7 +853,10 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
         out = root / f"out-{config}"
         shutil.rmtree(out, ignore_errors=True)
         totals = run_job(_job_settings(args, model_dir, dummy, work / "prompts.jsonl", out), backend)
-        rows.append(_job_row(config, regular, totals, f"shards on {root}, 2 GiB each, checksummed, manifest"))
+        capture = "eager hooks" if args.job_eager else "compiled capture"
+        rows.append(
+            _job_row(config, regular, totals, f"{capture}; shards on {root}, 2 GiB each, checksummed")
+        )
         if config == "job" and args.tensor_parallel_size == 1:  # the in-worker reference needs whole weights
             try:
                 rows[-1].update(_spot_check(backend, model, layer_ids, out, dummy))
@@ -770,6 +884,7 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
 
 WORKERS = {
     "plain": _worker_plain,
+    "plain_eager": _worker_plain_eager,
     "job": _worker_job,
     "native": _worker_native,
     "hf": _worker_hf,

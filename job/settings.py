@@ -124,6 +124,7 @@ SHADOWED_ENGINE_ARGS = {
     "gpu_memory_utilization": "backend.vllm.gpu_memory_utilization",
     "max_model_len": "backend.vllm.max_model_len",
     "attention_backend": "backend.vllm.attention_backend",
+    "enforce_eager": "backend.vllm.enforce_eager",
 }
 
 
@@ -131,7 +132,11 @@ class VllmSettings(Section):
     max_num_batched_tokens: PositiveInt = 16384
     max_num_seqs: PositiveInt = 128
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    enforce_eager: bool = True
+    enforce_eager: bool = Field(
+        False,
+        description="false: vLLM's default compilation and CUDA graphs, capture through the model's "
+        "EAGLE-3 aux outputs (and compiled taps); true: eager mode, capture with forward hooks",
+    )
     attention_backend: str | None = None
     max_model_len: PositiveInt | None = Field(None, description="Defaults to data.max_length")
     engine_args: dict[str, Any] = Field(
@@ -153,16 +158,6 @@ class VllmSettings(Section):
             settings = ", ".join(f"{k} -> {v}" for k, v in shadowed.items())
             raise ValueError(
                 f"these engine arguments have settings of their own; set those instead: {settings}"
-            )
-        return value
-
-    @field_validator("enforce_eager")
-    @classmethod
-    def _eager(cls, value: bool) -> bool:
-        if not value:
-            raise ValueError(
-                "hidden-state capture hooks do not run inside CUDA graphs or torch.compile "
-                "graphs; keep backend.vllm.enforce_eager: true"
             )
         return value
 

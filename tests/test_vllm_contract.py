@@ -192,6 +192,11 @@ def test_the_selected_facts_hold_for_the_installed_vllm() -> None:
     assert ("num_hash_lookahead_tokens" in hasher_params) == facts.block_hasher_lookahead
     vllm_root = Path(vllm.__file__).parent.parent  # the module's file, found without importing it
     assert (vllm_root / (facts.model_runner_v2_module.replace(".", "/") + ".py")).is_file()
+    # Read, not imported: the GPU runner and the model interfaces need no device to be read.
+    runner_source = (vllm_root / "vllm/v1/worker/gpu_model_runner.py").read_text()
+    assert ("self.positions = self._make_buffer(" in runner_source) == facts.runner_positions_buffer
+    interfaces = (vllm_root / "vllm/model_executor/models/interfaces.py").read_text()
+    assert ("class EagleModelMixin" in interfaces) == facts.eagle_model_mixin
     if facts.kv_cache_setup == "utils_initialize_cache_rpc":
         assert hasattr(kv_cache_utils, "get_kv_cache_configs")
         assert not hasattr(kv_cache_utils, "resolve_kv_cache_block_sizes")

@@ -1,7 +1,9 @@
 """End to end with a real vLLM forward (the CPU build in CI): `python -m job run`
 with backend.name=vllm must produce, sample for sample, the HF reference
 backend's hidden states (bf16 tolerance), with batches of several requests and
-prefills chunked over several steps."""
+prefills chunked over several steps: compiled (vLLM's default compilation, capture
+through the model's EAGLE-3 aux outputs and taps; on CPU, Dynamo + Inductor) and
+eager (forward hooks)."""
 
 from __future__ import annotations
 
@@ -42,9 +44,11 @@ def _run(args: list[str], cache: Path) -> list[dict]:
     return events
 
 
-@pytest.fixture(scope="module")
-def outputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
-    root = tmp_path_factory.mktemp("e2e")
+@pytest.fixture(scope="module", params=["compiled", "eager"])
+def outputs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Path, list[dict]]:
+    root = tmp_path_factory.mktemp(f"e2e-{request.param}")
     common = ["--data.max_length=512", "--output.shard_bytes=1MiB"]
     events = _run(
         [
@@ -53,15 +57,18 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[
             "--backend.name=vllm",
             f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}",
             "--backend.vllm.max_num_seqs=4",
+            f"--backend.vllm.enforce_eager={request.param == 'eager'}",
         ],
         root / "cache",
     )
+    installed = next(e for e in events if e["event"] == "capture_installed")
+    assert installed["mode"] == ("hooks" if request.param == "eager" else "compiled")
     _run([*common, f"--output.uri={root / 'hf'}", "--backend.name=hf"], root / "cache")
     return root / "vllm", root / "hf", events
 
 
 def test_vllm_matches_the_hf_reference(outputs: tuple[Path, Path, list[dict]]) -> None:
-    vllm_dir, hf_dir, _ = outputs
+    vllm_dir, hf_dir, events = outputs
     reference = {s.sample_id: s for s in iter_output(hf_dir, require_complete=True)}
     worst = (0.0, "", -1)
     seen = 0
@@ -76,8 +83,9 @@ def test_vllm_matches_the_hf_reference(outputs: tuple[Path, Path, list[dict]]) -
             worst = max(worst, (err, sample.sample_id, layer))
         seen += 1
     assert seen == len(reference) > 30
+    sources = next(e for e in events if e["event"] == "capture_installed")["layer_sources"]
     print(
-        f"vLLM vs HF: worst relative error {worst[0]:.3e} "
+        f"vLLM vs HF ({sources}): worst relative error {worst[0]:.3e} "
         f"(sample {worst[1]}, layer {worst[2]}), {seen} samples"
     )
     assert worst[0] <= MAX_REL_ERROR, worst

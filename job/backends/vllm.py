@@ -26,10 +26,12 @@ from adapters import select_adapter_set
 from adapters.requests import prefill_sampling_params
 from job.backends import Backend, BackendInput, HiddenChunk
 from job.data.source import MAX_ID_BYTES
+from job.errors import ConfigError
 from job.hidden_dtype import HiddenDtype
 from job.logs import get_logger
 from job.model import ModelInfo
 from job.settings import JobSettings
+from job.worker.capture import COMPILED, HOOKS
 from job.worker.ring import Ring, header_bytes
 
 _EXHAUSTED = object()
@@ -89,6 +91,13 @@ class VllmBackend(Backend):
             self.vllm_version, options.adapter_set, options.allow_nearest_adapter
         )
         self.log.info("adapter_selected", vllm_version=self.vllm_version, adapter_set=self.adapters.name)
+        mode = HOOKS if options.enforce_eager else COMPILED
+        if mode == COMPILED and not self.adapters.facts.compiled_capture:
+            raise ConfigError(
+                f"backend.vllm.enforce_eager is false, but capture under compilation has not been verified "
+                f"on vLLM {self.vllm_version} (adapter set {self.adapters.name}); set "
+                "backend.vllm.enforce_eager: true (eager mode, forward hooks)"
+            )
         engine_kwargs: dict[str, Any] = {
             "model": str(model.path),
             "tokenizer": str(model.path),
@@ -107,9 +116,10 @@ class VllmBackend(Backend):
             # launches in eager mode) then never waits on the driver's GIL, which
             # the writer and committer threads share.
             "distributed_executor_backend": "mp",
+            "enforce_eager": options.enforce_eager,
             **options.engine_args,
         }
-        vllm_config = self.adapters.engine_config(engine_kwargs)
+        vllm_config = self.adapters.engine_config(engine_kwargs, {"mode": mode, "layer_ids": layer_ids})
         self.vllm_config = vllm_config
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.token_budget = vllm_config.scheduler_config.max_num_batched_tokens
@@ -126,7 +136,7 @@ class VllmBackend(Backend):
         self._closed = False
         try:
             infos = self.executor.collective_rpc(
-                "hs_install", args=(self.ring.spec.to_dict(), layer_ids, self.adapters.name)
+                "hs_install", args=(self.ring.spec.to_dict(), layer_ids, self.adapters.name, mode)
             )
             self.capture_info = next(i for i in infos if i["capturing"])
             self.log.info(
@@ -174,6 +184,8 @@ class VllmBackend(Backend):
             "adapter_set": self.adapters.name,
             "tensor_parallel_size": self.vllm_config.parallel_config.tensor_parallel_size,
             "model_runner": self.capture_info.get("model_runner"),
+            "capture": self.capture_info.get("mode"),
+            "layer_sources": self.capture_info.get("layer_sources"),
         }
 
     def extract(self, inputs: Iterator[BackendInput | None]) -> Iterator[HiddenChunk]:

@@ -1,18 +1,23 @@
-"""Worker-side capture with forward hooks on vLLM's own decoder layers.
+"""Worker-side capture of hidden states, in one of two modes.
 
-vLLM decoder layers return ``(hidden_states, residual)`` with the residual add
-fused into the next norm, so the residual stream after layer i is their sum.
-Id k > 0 is taken at the output of layer k-1, id 0 at the input of layer 0
-(the embedding output). No layer forward is re-implemented: whatever the
-architecture computes (MLA, MoE, extra arguments) runs untouched.
+``compiled`` (vLLM's default compilation and CUDA graphs): the layers come from the model's
+own EAGLE-3 aux-hidden-state outputs (``SupportsEagle3``), set before the first forward so
+that the compiled graph returns them; ids the version's interface cannot give (``aux_ids``),
+and every id of a model without the interface, come from "taps": forward hooks that Dynamo
+traces into the graph, copying the layer's residual stream into a persistent buffer. After
+each forward both are copied into the step's device buffer.
 
-Per step: hooks write into a device buffer ``[tokens, L, H]``; after the
-forward, a side stream converts it to the stored dtype and copies it, with
-the step's input ids, positions and finite flags, into the next free ring
-slot (pinned shared memory); a publisher thread makes the slot visible to the
-driver once the copy has landed. On CUDA, steps alternate between two device
-buffers, so step k+1's forward runs while step k is copied out: the compute
-stream only waits for the copy of step k-1.
+``hooks`` (``enforce_eager``): forward hooks on vLLM's own decoder layers write straight into
+the step's buffer during the forward. vLLM decoder layers return ``(hidden_states, residual)``
+with the residual add fused into the next norm, so the residual stream after layer i is
+their sum; id k > 0 is taken at the output of layer k-1, id 0 at the input of layer 0.
+
+Either way no layer forward is re-implemented, and per step a side stream converts the
+buffer to the stored dtype and copies it, with the step's input ids and positions (read
+from the runner after the forward: a FULL CUDA-graph replay runs no Python forward), into
+the next free ring slot (pinned shared memory); a publisher thread makes the slot visible
+to the driver once the copy has landed. On CUDA, steps alternate between two device
+buffers, so step k+1's forward runs while step k is copied out.
 """
 
 from __future__ import annotations
@@ -29,19 +34,48 @@ from job.hidden_dtype import HiddenDtype
 from job.worker.ring import Ring, RingSpec
 
 SLOT_WAIT_S = 1800.0
+HOOKS, COMPILED = "hooks", "compiled"
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder layer list of a vLLM model (text or multimodal wrapper)."""
+def inner_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack of a vLLM model (text or multimodal wrapper): ``.model`` with ``.layers``."""
     candidates = [model]
     if hasattr(model, "get_language_model"):
         candidates.append(model.get_language_model())
     for candidate in candidates:
         inner = getattr(candidate, "model", None)
-        layers = getattr(inner, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList):
-            return layers
+        if isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
+            return inner
     raise TypeError(f"{type(model).__name__}: no decoder layer list at .model.layers")
+
+
+def plan_compiled(
+    model: torch.nn.Module, layer_ids: list[int], adapters: AdapterSet
+) -> tuple[list[int], list[int]]:
+    """(aux ids, tap ids) for compiled capture: what the model's EAGLE-3 interface gives on this
+    vLLM line, the rest from taps. Runs on every TP rank (their graphs must agree)."""
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    if not supports_eagle3(model):
+        return [], list(layer_ids)
+    inner = inner_model(model)
+    num_layers = len(inner.layers)
+    if adapters.facts.eagle_model_mixin:
+        from vllm.model_executor.models.interfaces import EagleModelMixin
+
+        if isinstance(inner, EagleModelMixin):  # every k in [0, N], as the job numbers them
+            return list(layer_ids), []
+    # A model's own loop appends hidden + residual *before* layer idx: k in [1, N-1] only
+    # (k = 0 has no residual yet; the stream after the last layer is never appended).
+    aux = [k for k in layer_ids if 1 <= k < num_layers]
+    return aux, [k for k in layer_ids if k not in aux]
+
+
+def configure_aux(worker: Any, aux_ids: list[int]) -> None:
+    """Make the model return the aux layers and the runner accept its (hidden, aux) output."""
+    if aux_ids:
+        worker.model_runner.get_model().set_aux_hidden_state_layers(tuple(sorted(aux_ids)))
+        worker.model_runner.use_aux_hidden_state_outputs = True
 
 
 def _argument(fn: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -49,39 +83,42 @@ def _argument(fn: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any])
     return bound.arguments.get(name)
 
 
-class DecoderLayerCapture:
-    def __init__(self, worker: Any, ring: Ring, layer_ids: list[int], adapters: AdapterSet) -> None:
+class StepCapture:
+    def __init__(
+        self, worker: Any, ring: Ring, layer_ids: list[int], adapters: AdapterSet, mode: str
+    ) -> None:
         self.worker = worker
         self.ring = ring
         self.spec = ring.spec
         self.layer_ids = layer_ids
         self.adapters = adapters
+        self.mode = mode
         model = worker.model_runner.get_model()
-        self.layers = decoder_layers(model)
+        self.layers = inner_model(model).layers
         for k in layer_ids:
             if not 0 <= k <= len(self.layers):
                 raise ValueError(f"layer id {k} outside [0, {len(self.layers)}]")
         param = next(model.parameters())
         self.device = param.device
         self.on_cuda = self.device.type == "cuda"
-        spec = self.spec
-        dtype = model_dtype(worker, param)
-        self.step_buffers = [_StepBuffers(spec, dtype, self.device) for _ in range(2 if self.on_cuda else 1)]
+        self.dtype = model_dtype(worker, param)
+        self.step_buffers = [
+            _StepBuffers(self.spec, self.dtype, self.device) for _ in range(2 if self.on_cuda else 1)
+        ]
         self.active = False
         self.armed = False  # set by hs_arm once the engine is warmed up
         self.num_tokens = 0
         self.step = 0
         self.pinned = False
-        self._hooks = [model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)]
-        self._model_forward = model.forward
-        self._layer0_forward = self.layers[0].forward
-        for j, k in enumerate(layer_ids):
-            if k == 0:
-                self._hooks.append(
-                    self.layers[0].register_forward_pre_hook(self._input_hook(j), with_kwargs=True)
-                )
-            else:
-                self._hooks.append(self.layers[k - 1].register_forward_hook(self._output_hook(j)))
+        self._hooks: list[Any] = []
+        self.aux_ids: list[int] = []
+        self.taps: dict[int, torch.Tensor] = {}  # compiled: layer id -> persistent [tokens, H] buffer
+        if mode == COMPILED:
+            self.aux_ids, tap_ids = plan_compiled(model, layer_ids, adapters)
+            configure_aux(worker, self.aux_ids)
+            self._install_taps(tap_ids)
+        else:
+            self._install_hooks()
         if self.on_cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
             self.pinned = _pin(ring.buffer)
@@ -93,19 +130,26 @@ class DecoderLayerCapture:
 
     @classmethod
     def install(
-        cls, worker: Any, spec: RingSpec, layer_ids: list[int], adapters: AdapterSet
-    ) -> DecoderLayerCapture:
-        return cls(worker, Ring(spec, create=False), layer_ids, adapters)
+        cls, worker: Any, spec: RingSpec, layer_ids: list[int], adapters: AdapterSet, mode: str
+    ) -> StepCapture:
+        return cls(worker, Ring(spec, create=False), layer_ids, adapters, mode)
 
     def describe(self) -> dict[str, Any]:
         runner = type(self.worker.model_runner)
+        sources = {
+            str(k): "aux" if k in self.aux_ids else "tap" if k in self.taps else "hook"
+            for k in self.layer_ids
+        }
         return {
+            "mode": self.mode,
+            "layer_sources": sources,
             "model_runner": f"{runner.__module__}.{runner.__qualname__}",
             "decoder_layer": type(self.layers[0]).__name__,
             "num_decoder_layers": len(self.layers),
             "device": str(self.device),
             "pinned_host_buffers": self.pinned,
-            "capture_buffer_bytes": sum(b.states.nbytes for b in self.step_buffers),
+            "capture_buffer_bytes": sum(b.states.nbytes for b in self.step_buffers)
+            + sum(t.nbytes for t in self.taps.values()),
         }
 
     @property
@@ -113,22 +157,56 @@ class DecoderLayerCapture:
         """The device buffers of the step being run (``step`` advances once it is shipped)."""
         return self.step_buffers[self.step % len(self.step_buffers)]
 
-    # hooks -------------------------------------------------------------------
-    def _on_model_input(self, _module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.active:
-            return
-        n = self.num_tokens
-        ids = _argument(self._model_forward, "input_ids", args, kwargs)
-        positions = _argument(self._model_forward, "positions", args, kwargs)
-        if ids is not None:
-            self.current.input_ids[:n].copy_(ids[:n])
-        if positions is not None:
-            self.current.positions[:n].copy_(positions[:n] if positions.dim() == 1 else positions[0, :n])
+    # compiled: taps --------------------------------------------------------------
+    def _install_taps(self, tap_ids: list[int]) -> None:
+        """Hooks traced into the compiled graph: always on (no Python state to guard on), writing
+        every row of every forward, warm-up included, into buffers that live as long as the
+        graph. Closures, not default arguments: Dynamo fails on hooks with defaults."""
+        rows = max(self.spec.max_tokens, int(getattr(self.worker.model_runner, "max_num_tokens", 0)))
+        for k in tap_ids:
+            buffer = torch.zeros(rows, self.spec.hidden_size, dtype=self.dtype, device=self.device)
+            self.taps[k] = buffer
+            if k == 0:
+                position = list(inspect.signature(self.layers[0].forward).parameters).index("hidden_states")
+                self._hooks.append(
+                    self.layers[0].register_forward_pre_hook(_input_tap(buffer, position), with_kwargs=True)
+                )
+            else:
+                self._hooks.append(self.layers[k - 1].register_forward_hook(_output_tap(buffer)))
 
-    def _input_hook(self, j: int) -> Any:
+    def _gather_compiled(self, n: int) -> None:
+        """After the forward: aux outputs (graph memory, padded to the graph's size) and taps into
+        the step's buffer, on the compute stream, before the next forward can overwrite them."""
+        states = self.current.states
+        if self.aux_ids:
+            aux = self.worker.model_runner.execute_model_state.aux_hidden_states
+            if len(aux) != len(self.aux_ids):
+                raise RuntimeError(
+                    f"{type(self.worker.model_runner.get_model()).__name__} returned {len(aux)} aux hidden "
+                    f"states for layers {sorted(self.aux_ids)}: this vLLM's interface does not give them all"
+                )
+            for k, tensor in zip(sorted(self.aux_ids), aux, strict=True):
+                states[:n, self.layer_ids.index(k)].copy_(tensor[:n])
+        for k, buffer in self.taps.items():
+            states[:n, self.layer_ids.index(k)].copy_(buffer[:n])
+
+    # eager: hooks ----------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        layer0_forward = self.layers[0].forward
+        for j, k in enumerate(self.layer_ids):
+            if k == 0:
+                self._hooks.append(
+                    self.layers[0].register_forward_pre_hook(
+                        self._input_hook(j, layer0_forward), with_kwargs=True
+                    )
+                )
+            else:
+                self._hooks.append(self.layers[k - 1].register_forward_hook(self._output_hook(j)))
+
+    def _input_hook(self, j: int, layer0_forward: Any) -> Any:
         def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self.active:
-                hidden = _argument(self._layer0_forward, "hidden_states", args, kwargs)
+                hidden = _argument(layer0_forward, "hidden_states", args, kwargs)
                 self.current.states[: self.num_tokens, j].copy_(hidden[: self.num_tokens])
 
         return hook
@@ -146,7 +224,7 @@ class DecoderLayerCapture:
 
         return hook
 
-    # step bracketing ---------------------------------------------------------
+    # step bracketing -------------------------------------------------------------
     def _execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         n = scheduler_output.total_num_scheduled_tokens
         if n == 0 or not self.armed:
@@ -155,12 +233,18 @@ class DecoderLayerCapture:
             raise RuntimeError(f"step of {n} tokens exceeds the capture buffer ({self.spec.max_tokens})")
         if self.current.copy_done is not None:  # this buffer's last copy must land before it is overwritten
             torch.cuda.current_stream(self.device).wait_event(self.current.copy_done)
-        self.num_tokens, self.active = n, True
+        self.num_tokens, self.active = n, self.mode == HOOKS
         try:
             output = self._original_execute_model(scheduler_output, *args, **kwargs)
         finally:
             self.active = False
-        self._ship(self.adapters.step_token_order(self.worker.model_runner, scheduler_output))
+        if self.mode == COMPILED:
+            self._gather_compiled(n)
+        runner = self.worker.model_runner
+        input_ids, positions = self.adapters.step_inputs(runner)
+        self.current.input_ids[:n].copy_(input_ids[:n])
+        self.current.positions[:n].copy_(positions[:n])
+        self._ship(self.adapters.step_token_order(runner, scheduler_output))
         return output
 
     def _ship(self, order: list[tuple[str, int]]) -> None:
@@ -220,6 +304,25 @@ class _StepBuffers:
         self.input_ids = torch.zeros(spec.max_tokens, dtype=torch.int32, device=device)
         self.positions = torch.zeros(spec.max_tokens, dtype=torch.int32, device=device)
         self.copy_done: torch.cuda.Event | None = None
+
+
+def _input_tap(buffer: torch.Tensor, position: int) -> Any:
+    """Layer 0's input (the embedding output, however the model scales it) into ``buffer``."""
+
+    def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = args[position] if len(args) > position else kwargs["hidden_states"]
+        buffer[: hidden.shape[0]].copy_(hidden)
+
+    return hook
+
+
+def _output_tap(buffer: torch.Tensor) -> Any:
+    """A decoder layer's residual stream (hidden + residual) into ``buffer``."""
+
+    def hook(_module: Any, _args: Any, output: Any) -> None:
+        torch.add(output[0], output[1], out=buffer[: output[0].shape[0]])
+
+    return hook
 
 
 def model_dtype(worker: Any, param: torch.Tensor) -> torch.dtype:
