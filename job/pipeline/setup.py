@@ -84,10 +84,17 @@ class RunSetup:
         }
 
 
+def _vllm_installed() -> bool:
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except ImportError:  # an import hook that refuses vLLM (ModuleNotFoundError): as good as absent
+        return False
+
+
 def check_backend(settings: JobSettings, model: ModelInfo) -> None:
     """Mistakes no retry can fix, found before any sample is read: exit 2 with the setting named."""
     backend = settings.backend
-    if backend.name == "vllm" and importlib.util.find_spec("vllm") is None:
+    if backend.name == "vllm" and not _vllm_installed():
         raise ConfigError(
             "backend.name is vllm, but vLLM is not installed in this environment; use the container "
             "image (it brings vLLM), install vLLM, or set backend.name=hf"
