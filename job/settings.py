@@ -133,7 +133,9 @@ class VllmSettings(Section):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     enforce_eager: bool = True
     attention_backend: str | None = None
-    max_model_len: PositiveInt | None = Field(None, description="Defaults to data.max_length")
+    max_model_len: PositiveInt | None = Field(
+        None, description="Defaults to data.max_length + 1 (the token vLLM samples after each prompt)"
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="Extra vllm EngineArgs, passed through"
     )
