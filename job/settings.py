@@ -110,6 +110,13 @@ class DataSettings(Section):
         "turns counts in the loss mask",
     )
 
+    @field_validator("path")
+    @classmethod
+    def _path_given(cls, value: str) -> str:
+        # Here, not only when the files are listed: that comes after the model is resolved, which
+        # may mean downloading it from the hub first.
+        return _non_empty(value, "a JSONL/Parquet file or directory, or s3://bucket/prefix")
+
 
 # EngineArgs that the job sets from its own settings: engine_args may not override them unseen.
 SHADOWED_ENGINE_ARGS = {
