@@ -110,6 +110,13 @@ class DataSettings(Section):
         "turns counts in the loss mask",
     )
 
+    @field_validator("path")
+    @classmethod
+    def _path_given(cls, value: str) -> str:
+        # Here, not only when the files are listed: that comes after the model is resolved, which
+        # may mean downloading it from the hub first.
+        return _non_empty(value, "a JSONL/Parquet file or directory, or s3://bucket/prefix")
+
 
 # EngineArgs that the job sets from its own settings: engine_args may not override them unseen.
 SHADOWED_ENGINE_ARGS = {
@@ -138,7 +145,9 @@ class VllmSettings(Section):
         "EAGLE-3 aux outputs (and compiled taps); true: eager mode, capture with forward hooks",
     )
     attention_backend: str | None = None
-    max_model_len: PositiveInt | None = Field(None, description="Defaults to data.max_length")
+    max_model_len: PositiveInt | None = Field(
+        None, description="Defaults to data.max_length + 1 (the token vLLM samples after each prompt)"
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="Extra vllm EngineArgs, passed through"
     )

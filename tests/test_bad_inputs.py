@@ -333,7 +333,7 @@ def test_a_run_that_rejects_most_samples_does_not_complete(
 @pytest.mark.parametrize("value", ["", "   "])
 def test_an_empty_data_path_is_an_error(tmp_path: Path, run_job: Callable[..., Any], value: str) -> None:
     message = error_line(run_job("run", f"--data.path={value}", f"--output.uri={tmp_path / 'o'}"))
-    assert "data.path is empty" in message
+    assert "data.path: empty" in message
     assert not (tmp_path / "o").exists()
 
 

@@ -44,11 +44,6 @@ class _Pending:
     received: int = 0
 
 
-def _max_model_len(max_length: int, model: ModelInfo) -> int:
-    wanted = max_length + 1
-    return wanted if model.max_positions is None else min(wanted, model.max_positions)
-
-
 class _Releases:
     """Slot refcounts; advances the ring's ``released`` word in step order."""
 
@@ -108,9 +103,9 @@ class VllmBackend(Backend):
             "max_num_batched_tokens": options.max_num_batched_tokens,
             "max_num_seqs": options.max_num_seqs,
             "gpu_memory_utilization": options.gpu_memory_utilization,
-            # A prompt of data.max_length tokens plus the one token sampled after it, within the
-            # positions the model has.
-            "max_model_len": options.max_model_len or _max_model_len(settings.data.max_length, model),
+            # A prompt of data.max_length tokens plus the one token sampled after it (check_backend
+            # made sure that fits the model's positions).
+            "max_model_len": options.max_model_len or settings.data.max_length + 1,
             "attention_backend": options.attention_backend,
             # Model runner in its own process even at TP=1: its Python (kernel
             # launches in eager mode) then never waits on the driver's GIL, which

@@ -58,6 +58,8 @@ class StreamStats:
     records_seen: int = 0  # all records read (every index)
     owned: int = 0  # records this index owns
     skipped_done: int = 0  # owned, already in a committed shard
+    # Input bytes up to the last sample handed to the consumer (not the reader's read-ahead: a
+    # progress estimate of tokens per byte needs the bytes of the samples it has counted).
     bytes_done: int = 0
     duplicates: int = 0
     seen_ids: set[str] = field(default_factory=set)
@@ -110,15 +112,21 @@ class EncodedStream:
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield from item
+            results, positions = item
+            for result, position in zip(results, positions, strict=True):
+                self.stats.bytes_done = position
+                yield result
 
-    def _owned_chunks(self) -> Iterator[list[tuple[str, dict[str, Any] | None, str | None]]]:
+    def _owned_chunks(
+        self,
+    ) -> Iterator[tuple[list[tuple[str, dict[str, Any] | None, str | None]], list[int]]]:
+        """Chunks of (id, record, error) to encode, each with the input position after each record."""
         chunk: list[tuple[str, dict[str, Any] | None, str | None]] = []
+        positions: list[int] = []
         chunk_bytes = 0
         stats = self.stats
         for record in self._records:
             stats.records_seen += 1
-            stats.bytes_done = record.bytes_done
             if self._count > 1 and owner_index(record.sample_id, self._count) != self._index:
                 continue
             stats.owned += 1
@@ -145,13 +153,14 @@ class EncodedStream:
                     continue
                 chunk.append((record.sample_id, record.value, record.error))
                 chunk_bytes += record.size
+            positions += [record.bytes_done] * (len(chunk) - len(positions))
             if len(chunk) >= CHUNK or chunk_bytes >= CHUNK_BYTES:
-                yield chunk
-                chunk, chunk_bytes = [], 0
+                yield chunk, positions
+                chunk, positions, chunk_bytes = [], [], 0
             if self._stop.is_set():
                 return
         if chunk:
-            yield chunk
+            yield chunk, positions
 
     def _put(self, item: Any) -> bool:
         while not self._stop.is_set():
@@ -180,16 +189,19 @@ class EncodedStream:
             self._put(exc)
 
     def _run(self, submit: Callable[[list[Any]], Future[list[Any]]]) -> None:
-        window: deque[Future[list[Any]]] = deque()
+        window: deque[tuple[Future[list[Any]], list[int]]] = deque()
         limit = max(2, 2 * max(self._workers, 1))
-        for chunk in self._owned_chunks():
-            window.append(submit(chunk))
-            while len(window) >= limit or (window and window[0].done()):
-                if not self._put(window.popleft().result()):
+        for chunk, positions in self._owned_chunks():
+            window.append((submit(chunk), positions))
+            while len(window) >= limit or (window and window[0][0].done()):
+                if not self._put_done(*window.popleft()):
                     return
         while window:
-            if not self._put(window.popleft().result()):
+            if not self._put_done(*window.popleft()):
                 return
+
+    def _put_done(self, results: Future[list[Any]], positions: list[int]) -> bool:
+        return self._put((results.result(), positions))
 
 
 def _completed(value: list[Any]) -> Future[list[Any]]:

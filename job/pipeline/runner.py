@@ -187,16 +187,19 @@ class IndexRun:
             w.committer.write_manifest(complete=False, rejected=rejected)
             self.log.error("too_many_rejected", owned=owned, rejected=rejected, written=written)
             self.status = "rejected"
-            what = (
-                "none was written"
+            # No data.max_rejected_fraction accepts an index without a single sample.
+            what, accept = (
+                ("none was written", "")
                 if written == 0
-                else f"more than data.max_rejected_fraction {data.max_rejected_fraction}"
+                else (
+                    f"more than data.max_rejected_fraction {data.max_rejected_fraction}",
+                    ", or raise data.max_rejected_fraction to accept it",
+                )
             )
             raise ConfigError(
                 f"{rejected} of the {owned} samples of index {self.setup.settings.work.index} were rejected "
                 f"({what}); most common reasons: {w.rejections.most_common()}; every one is in {where}. "
-                "Fix the data or settings (data.format, data.chat_template, model.path), or raise "
-                "data.max_rejected_fraction to accept it"
+                f"Fix the data or settings (data.format, data.chat_template, model.path){accept}"
             )
 
     def _close_committer_if_failed(self, committer: Committer) -> None:

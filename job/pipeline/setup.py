@@ -84,10 +84,17 @@ class RunSetup:
         }
 
 
+def _vllm_installed() -> bool:
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except ImportError:  # an import hook that refuses vLLM (ModuleNotFoundError): as good as absent
+        return False
+
+
 def check_backend(settings: JobSettings, model: ModelInfo) -> None:
     """Mistakes no retry can fix, found before any sample is read: exit 2 with the setting named."""
     backend = settings.backend
-    if backend.name == "vllm" and importlib.util.find_spec("vllm") is None:
+    if backend.name == "vllm" and not _vllm_installed():
         raise ConfigError(
             "backend.name is vllm, but vLLM is not installed in this environment; use the container "
             "image (it brings vLLM), install vLLM, or set backend.name=hf"
@@ -100,17 +107,22 @@ def check_backend(settings: JobSettings, model: ModelInfo) -> None:
                 f"backend.device is {backend.device}, but torch sees no CUDA device here; "
                 "use backend.device=cpu (or auto)"
             )
-    context = model.max_positions
-    if context is not None and settings.data.max_length > context:
+    max_length, context = settings.data.max_length, model.max_positions
+    # vLLM samples one token after each prompt (its runner asserts on a sequence longer than
+    # max_model_len), and max_model_len cannot exceed the model's positions.
+    sampled = 1 if backend.name == "vllm" else 0
+    if context is not None and max_length + sampled > context:
+        why = "; vLLM needs one more for the token it samples after each prompt" if sampled else ""
         raise ConfigError(
-            f"data.max_length {settings.data.max_length} exceeds the {context} positions {model.name} was "
-            f"built for (max_position_embeddings); set data.max_length to {context} or less"
+            f"data.max_length {max_length} does not fit the {context} positions {model.name} was built "
+            f"for (max_position_embeddings){why}; set data.max_length to {context - sampled} or less"
         )
     limit = backend.vllm.max_model_len
-    if backend.name == "vllm" and limit is not None and limit < settings.data.max_length:
+    if backend.name == "vllm" and limit is not None and limit <= max_length:
         raise ConfigError(
-            f"backend.vllm.max_model_len {limit} is below data.max_length {settings.data.max_length}: "
-            "samples that long could never be scheduled; raise it or lower data.max_length"
+            f"backend.vllm.max_model_len {limit} is not above data.max_length {max_length}: a sample that "
+            "long and the token vLLM samples after it could never run; set it to at least "
+            f"{max_length + 1} (or leave it unset) or lower data.max_length"
         )
 
 
