@@ -222,6 +222,15 @@ class OutputSettings(Section):
         "Keep 64MiB or more in production; values down to S3's 5MiB minimum exist so tests can "
         "exercise multipart uploads with small shards",
     )
+    sign_payload: bool = Field(
+        True,
+        description="s3:// output to an http:// endpoint: SigV4-sign the bytes of every uploaded part "
+        "with SHA-256 (botocore's default there; over https botocore leaves bodies that carry a checksum "
+        "unsigned anyway). false sends UNSIGNED-PAYLOAD: the CRC64NVME of every part and of the whole "
+        "shard still catch corruption, not deliberate tampering on the wire, so use it only for an "
+        "endpoint on a trusted network (in-cluster, localhost); it saves a SHA-256 pass over every "
+        "byte in the job and in the server",
+    )
     hidden_dtype: Literal["model", "fp8_e4m3"] = Field(
         "model",
         description="How hidden states are stored: model = the model dtype; fp8_e4m3 = FP8 with a "
