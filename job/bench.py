@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--s3-uri",
         default="s3://eagle3-bench/write",
-        help="write_s3: an existing bucket's prefix; the endpoint and credentials come from the environment",
+        help="write_s3: bucket (created if missing) and prefix; endpoint, credentials from the environment",
     )
     ap.add_argument(
         "--s3-setting",
@@ -129,6 +129,7 @@ def main(argv: list[str]) -> int:
         metavar="KEY=VALUE",
         help="write_s3: a job setting, e.g. output.upload_threads=32 (repeatable)",
     )
+    ap.add_argument("--s3-server-pids", default="", help="write_s3: file or comma list of the server's PIDs")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     # Callables reach vLLM's worker processes by pickle (CPU builds always use them).
@@ -614,6 +615,7 @@ def _write_s3(
     """``write`` to ``--s3-uri``/<run>, shards staged in ``staging``; the objects are deleted after."""
     import boto3
 
+    from job.bench_s3 import cpu_seconds, ensure_bucket, own_cpu_seconds, server_pids
     from job.logs import configure_logging
     from job.pipeline.runner import run_job
 
@@ -623,8 +625,12 @@ def _write_s3(
     settings = _job_settings(args, model_dir, dummy, Path(args.work_dir) / "prompts.jsonl", uri, extra)
     configure_logging(settings.log)
     client = boto3.client("s3")
+    ensure_bucket(client, bucket)
+    pids = server_pids(args.s3_server_pids)
+    server_before, job_before = cpu_seconds(pids), own_cpu_seconds()
     try:
         totals = run_job(settings, backend)
+        server_cpu, job_cpu = cpu_seconds(pids) - server_before, own_cpu_seconds() - job_before
     finally:
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
             for obj in page.get("Contents", []):
@@ -636,6 +642,7 @@ def _write_s3(
         "parallel_uploads": int(output.parallel_uploads),
         "shard_gib": round(int(output.shard_bytes) / 2**30, 2),
         "max_staged_gib": round(int(output.max_staged_bytes) / 2**30, 2),
+        "sign_payload": output.sign_payload,
     }
     row = _job_row(
         "write_s3",
@@ -645,7 +652,12 @@ def _write_s3(
             staging, args.s3_uri, ", ".join(f"{k} {v}" for k, v in tuning.items())
         ),
     )
-    row.update(tuning)
+    gb = totals["bytes_written"] / 1e9
+    row.update(
+        tuning,
+        job_cpu_s_per_gb=round(job_cpu / gb, 2),  # the whole job: shard writing, checksums, uploads
+        server_cpu_s_per_gb=round(server_cpu / gb, 2) if pids else None,
+    )
     return row
 
 

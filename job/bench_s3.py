@@ -71,9 +71,9 @@ def main(argv: list[str]) -> int:
 
     files = _make_files(Path(args.src_dir), args.files, int(_BYTES.validate_python(args.file_size)))
     checksums = [crc64nvme_file(f) for f in files]
-    pids = _pids(args.server_pids)
+    pids = server_pids(args.server_pids)
     admin = boto3.client("s3")
-    _ensure_bucket(admin, args.bucket)
+    ensure_bucket(admin, args.bucket)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     rows = []
     try:
@@ -109,14 +109,14 @@ def _make_files(directory: Path, count: int, size: int) -> list[Path]:
     return files
 
 
-def _pids(spec: str) -> list[int]:
+def server_pids(spec: str) -> list[int]:
     if not spec:
         return []
     text = Path(spec).read_text() if Path(spec).is_file() else spec
     return [int(x) for x in text.replace(",", " ").split()]
 
 
-def _cpu_seconds(pids: list[int]) -> float:
+def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds of these processes so far (utime and stime of /proc/PID/stat)."""
     total = 0
     for pid in pids:
@@ -125,12 +125,12 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total / _CLOCK_TICKS
 
 
-def _self_cpu_seconds() -> float:
+def own_cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
 
-def _ensure_bucket(client: Any, bucket: str) -> None:
+def ensure_bucket(client: Any, bucket: str) -> None:
     try:
         client.head_bucket(Bucket=bucket)
     except ClientError:
@@ -159,7 +159,7 @@ def _measure(
     name = f"t{threads}-p{part_size >> 20}-{'signed' if signed else 'unsigned'}"
     keys = [f"{args.prefix}/{name}/{f.name}" for f in files]
     total = sum(f.stat().st_size for f in files)
-    server_before, client_before = _cpu_seconds(pids), _self_cpu_seconds()
+    server_before, client_before = cpu_seconds(pids), own_cpu_seconds()
     with TransferManager(client, transfer) as manager:
         start = time.perf_counter()
         futures = [
@@ -169,7 +169,7 @@ def _measure(
         for future in futures:
             future.result()
         seconds = time.perf_counter() - start
-    server_cpu, client_cpu = _cpu_seconds(pids) - server_before, _self_cpu_seconds() - client_before
+    server_cpu, client_cpu = cpu_seconds(pids) - server_before, own_cpu_seconds() - client_before
     verified = _verify(admin, args.bucket, keys, files, checksums)
     with ThreadPoolExecutor(8) as pool:  # frees the server's space before the next configuration
         list(pool.map(lambda key: admin.delete_object(Bucket=args.bucket, Key=key), keys))
