@@ -132,6 +132,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--s3-server-pids", default="", help="write_s3: file or comma list of the server's PIDs")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if unknown := set(args.write_to.split(",")) - {"disk", "shm", "s3"}:
+        ap.error(f"--write-to: unknown targets {sorted(unknown)}; use a comma list of disk,shm,s3")
     # Callables reach vLLM's worker processes by pickle (CPU builds always use them).
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if args.worker:

@@ -215,7 +215,11 @@ class OutputSettings(Section):
         "waiting for upload); when reached, extraction waits for uploads. Must hold the largest "
         "shard; 3x shard_bytes or more keeps extraction and uploads overlapping",
     )
-    upload_threads: PositiveInt = Field(8, description="s3:// output: parallel part uploads per shard")
+    upload_threads: PositiveInt = Field(
+        8,
+        description="s3:// output: part uploads in flight at once, shared by the parallel_uploads shards "
+        "uploading together",
+    )
     part_size: ByteSize = Field(
         ByteSize(64 * 1024**2),
         description="s3:// output: multipart part size (and the size above which uploads are multipart). "
