@@ -73,7 +73,7 @@ step "raw ceiling: .ci/s3-fast.sh, $VOLUMES volume servers"
 .ci/s3-fast.sh start "$SHM/fast" "$PORT" "$VOLUMES" >>"$L" 2>&1 || { tail -20 "$L"; exit 1; }
 within 110 "${raw[@]}" --threads 8,32,64 --part-sizes 64MiB,128MiB --payload-signing off \
   --server-pids "$SHM/fast/pids" --tag "$run_id fast v$VOLUMES"
-within 25 "${raw[@]}" --threads 32 --part-sizes 64MiB --payload-signing on \
+within 30 "${raw[@]}" --threads 32 --part-sizes 64MiB --payload-signing on \
   --server-pids "$SHM/fast/pids" --tag "$run_id fast v$VOLUMES"
 .ci/s3-fast.sh stop "$SHM/fast"; rm -rf "$SHM/fast"  # deletes do not free a volume's tmpfs pages
 
@@ -92,7 +92,7 @@ budget 70 && timeout "$limit" "${job[@]}" --num-prompts $((prompts / 2)) --timeo
 
 step "the tuned server with 64 MiB chunks"
 S3_FAST_CHUNK_MB=64 .ci/s3-fast.sh start "$SHM/fast" "$PORT" "$VOLUMES" >>"$L" 2>&1 &&
-  within 25 "${raw[@]}" --threads 32 --part-sizes 64MiB --payload-signing off \
+  within 35 "${raw[@]}" --threads 32 --part-sizes 64MiB --payload-signing off \
     --server-pids "$SHM/fast/pids" --tag "$run_id fast v$VOLUMES chunk 64 MiB"
 .ci/s3-fast.sh stop "$SHM/fast"; rm -rf "$SHM/fast"
 
