@@ -6,7 +6,8 @@
 #      8/32/64 threads x 64/128 MiB parts, UNSIGNED-PAYLOAD; then signed at 32 x 64 MiB;
 #   3. the job's write path into the tuned server (python -m job bench --groups write --write-to s3:
 #      rows from memory, prompts of the Llama-3.1-8B shape in 2 GiB shards staged on /dev/shm):
-#      tuned (upload_threads 32, parallel_uploads 4, sign_payload false; 500 prompts, ~17.5 GB),
+#      tuned (upload_threads and part_size of the best raw row, parallel_uploads 4, sign_payload
+#      false; 500 prompts, ~17.5 GB),
 #      then the job's defaults (upload_threads 8, parallel_uploads 3, signed; 250 prompts);
 #   4. 32 x 64 MiB raw with 64 MiB chunks (S3_FAST_CHUNK_MB=64) instead of 16, and the baseline:
 #      `weed mini` as .ci/seaweedfs.sh starts it (-master.volumeSizeLimitMB=1024).
@@ -83,10 +84,22 @@ prompts=${JOB_PROMPTS:-500}
 job=(python3 -m job bench --model llama-3.1-8b --groups write --write-to s3 --long-prompts 0
   --work-dir /tmp/eb-s3 --out "$OUT" --s3-server-pids "$SHM/fast/pids"
   --s3-setting output.max_staged_bytes=16GiB)
+# The tuned run takes the best raw row's threads and part size (32 x 64 MiB if there is none).
+read -r threads part < <(python3 - "$OUT/results.jsonl" "$run_id" <<'PY'
+import json, sys
+
+rows = [json.loads(line) for line in open(sys.argv[1])]
+raw = [r for r in rows if r.get("config") == "s3_raw" and r.get("tag", "").startswith(sys.argv[2])
+       and not r["payload_signing"]]
+best = max(raw, key=lambda r: r["gb_per_s"], default={"threads": 32, "part_size_mib": 64})
+print(best["threads"], best["part_size_mib"])
+PY
+)
+echo "tuned job: upload_threads $threads, part_size ${part}MiB" | tee -a "$L"
 # The group's own limit (--timeout) leaves the orchestrator 15 s (disk probe, start-up).
 budget 100 && timeout "$limit" "${job[@]}" --num-prompts "$prompts" --timeout $((limit - 15)) \
-  --s3-setting output.upload_threads=32 --s3-setting output.parallel_uploads=4 \
-  --s3-setting output.sign_payload=false >>"$L" 2>&1
+  --s3-setting output.upload_threads="$threads" --s3-setting output.part_size="${part}MiB" \
+  --s3-setting output.parallel_uploads=4 --s3-setting output.sign_payload=false >>"$L" 2>&1
 budget 70 && timeout "$limit" "${job[@]}" --num-prompts $((prompts / 2)) --timeout $((limit - 15)) >>"$L" 2>&1
 .ci/s3-fast.sh stop "$SHM/fast"; rm -rf "$SHM/fast" /dev/shm/eagle3-bench
 
