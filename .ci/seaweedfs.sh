@@ -5,6 +5,7 @@
 #   .ci/seaweedfs.sh start DIR [PORT]   start it with its data in DIR, wait until S3 answers on
 #                                       http://127.0.0.1:PORT (default 8333), write DIR/weed.pid
 #   .ci/seaweedfs.sh stop DIR           stop the server whose PID is in DIR/weed.pid
+# $WEED_MINI_ARGS: more `weed mini` flags (e.g. -master.volumeSizeLimitMB=1024 for benchmarks).
 #
 # Identities (tests/s3_fixtures.py uses the same values; never real AWS credentials):
 #   admin     $S3_TEST_ACCESS_KEY / $S3_TEST_SECRET_KEY (default eagle3-admin / eagle3-admin-secret)
@@ -40,7 +41,7 @@ JSON
       -s3.port="$port" -master.port=$((port + 1)) -volume.port=$((port + 2)) \
       -filer.port=$((port + 3)) -admin.port=$((port + 4)) \
       -admin.ui=false -webdav=false -s3.port.iceberg=0 -s3.port.lance=0 -master.telemetry=false \
-      -s3.config="$dir/s3.json" -s3.autoCreateBucket=false \
+      -s3.config="$dir/s3.json" -s3.autoCreateBucket=false ${WEED_MINI_ARGS:-} \
       >"$dir/weed.log" 2>&1 &
     echo $! >"$pidfile"
     for _ in $(seq 1 150); do  # up to 30 s

@@ -12,7 +12,8 @@ memory are its own):
 * ``native`` vLLM's ``extract_hidden_states`` + ``ExampleHiddenStatesConnector``;
 * ``hf``     the HF reference backend, batch 1, on fewer prompts;
 * ``write``  no GPU: ``python -m job run``'s pipeline fed rows from memory as fast
-  as it takes them (local disk; ``write_shm``: /dev/shm), the write path's ceiling.
+  as it takes them (local disk; ``write_shm``: /dev/shm; ``write_s3``: ``--s3-uri``, staged
+  on /dev/shm), the write path's ceiling; ``--write-to`` picks the targets.
 
 Weights are vLLM's ``load_format="dummy"`` for a real architecture's config.
 The ``job`` group then copies vLLM's weights into an HF model of the same
@@ -183,7 +184,7 @@ MODELS: dict[str, dict[str, Any] | None] = {
     "tiny-llama": None,  # builtin weights; a CPU smoke run of this script
 }
 RESULT_TAG = "BENCH_RESULT "
-NO_GPU_CONFIGS = ("write", "write_shm")  # the write path alone: no ratio to plain, not plotted
+NO_GPU_CONFIGS = ("write", "write_shm", "write_s3")  # the write path alone: no ratio to plain, not plotted
 
 
 def main(argv: list[str]) -> int:
@@ -208,8 +209,26 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--work-dir", default="/tmp/eagle3-bench")
     ap.add_argument("--out", default="docs/benchmarks", help="results.jsonl, <run>.md and <run>.png go here")
     ap.add_argument("--timeout", type=int, default=420, help="seconds per group")
+    ap.add_argument(
+        "--write-to", default="disk,shm", help="the write group's targets: comma list of disk,shm,s3"
+    )
+    ap.add_argument(
+        "--s3-uri",
+        default="s3://eagle3-bench/write",
+        help="write_s3: bucket (created if missing) and prefix; endpoint, credentials from the environment",
+    )
+    ap.add_argument(
+        "--s3-setting",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="write_s3: a job setting, e.g. output.upload_threads=32 (repeatable)",
+    )
+    ap.add_argument("--s3-server-pids", default="", help="write_s3: file or comma list of the server's PIDs")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if unknown := set(args.write_to.split(",")) - {"disk", "shm", "s3"}:
+        ap.error(f"--write-to: unknown targets {sorted(unknown)}; use a comma list of disk,shm,s3")
     # Callables reach vLLM's worker processes by pickle (CPU builds always use them).
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if args.worker:
@@ -678,8 +697,13 @@ def _worker_write(args: argparse.Namespace) -> dict[str, Any]:
     config = json.loads((model_dir / "config.json").read_text())
     regular = _load_prompts(work, "prompts.jsonl")
     backend = _RowsFromMemory(4, config["hidden_size"], args.max_tokens, args.max_num_batched_tokens)
+    shm = Path("/dev/shm/eagle3-bench")
     rows = []
-    for config_name, root in (("write", work), ("write_shm", Path("/dev/shm/eagle3-bench"))):
+    for target in args.write_to.split(","):
+        if target == "s3":
+            rows.append(_write_s3(args, model_dir, dummy, regular, backend, shm / "staging"))
+            continue
+        config_name, root = {"disk": ("write", work), "shm": ("write_shm", shm)}[target]
         out = root / f"out-{config_name}"
         shutil.rmtree(out, ignore_errors=True)
         settings = _job_settings(args, model_dir, dummy, work / "prompts.jsonl", out)
@@ -690,7 +714,71 @@ def _worker_write(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows}
 
 
-def _job_settings(args: argparse.Namespace, model_dir: Path, dummy: bool, data: Path, out: Path) -> Any:
+def _write_s3(
+    args: argparse.Namespace,
+    model_dir: Path,
+    dummy: bool,
+    prompts: list[np.ndarray],
+    backend: Backend,
+    staging: Path,
+) -> dict[str, Any]:
+    """``write`` to ``--s3-uri``/<run>, shards staged in ``staging``; the objects are deleted after."""
+    import boto3
+
+    from job.bench_s3 import cpu_seconds, ensure_bucket, own_cpu_seconds, server_pids
+    from job.logs import configure_logging
+    from job.pipeline.runner import run_job
+
+    uri = f"{args.s3_uri.rstrip('/')}/run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    extra = [f"--output.staging_dir={staging}", *(f"--{setting}" for setting in args.s3_setting)]
+    settings = _job_settings(args, model_dir, dummy, Path(args.work_dir) / "prompts.jsonl", uri, extra)
+    configure_logging(settings.log)
+    client = boto3.client("s3")
+    ensure_bucket(client, bucket)
+    pids = server_pids(args.s3_server_pids)
+    server_before, job_before = cpu_seconds(pids), own_cpu_seconds()
+    try:
+        totals = run_job(settings, backend)
+        server_cpu, job_cpu = cpu_seconds(pids) - server_before, own_cpu_seconds() - job_before
+    finally:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+            for obj in page.get("Contents", []):
+                client.delete_object(Bucket=bucket, Key=obj["Key"])
+    output = settings.output
+    tuning = {
+        "upload_threads": int(output.upload_threads),
+        "part_size_mib": int(output.part_size) >> 20,
+        "parallel_uploads": int(output.parallel_uploads),
+        "shard_gib": round(int(output.shard_bytes) / 2**30, 2),
+        "max_staged_gib": round(int(output.max_staged_bytes) / 2**30, 2),
+        "sign_payload": output.sign_payload,
+    }
+    row = _job_row(
+        "write_s3",
+        prompts,
+        totals,
+        "no GPU: rows from memory; shards staged on {}, uploaded to {} ({})".format(
+            staging, args.s3_uri, ", ".join(f"{k} {v}" for k, v in tuning.items())
+        ),
+    )
+    gb = totals["bytes_written"] / 1e9
+    row.update(
+        tuning,
+        job_cpu_s_per_gb=round(job_cpu / gb, 2),  # the whole job: shard writing, checksums, uploads
+        server_cpu_s_per_gb=round(server_cpu / gb, 2) if pids else None,
+    )
+    return row
+
+
+def _job_settings(
+    args: argparse.Namespace,
+    model_dir: Path,
+    dummy: bool,
+    data: Path,
+    out: Path | str,
+    extra: list[str] | None = None,
+) -> Any:
     from job.settings import load_settings
 
     engine_args = {"load_format": "dummy"} if dummy else {}
@@ -713,6 +801,7 @@ def _job_settings(args: argparse.Namespace, model_dir: Path, dummy: bool, data: 
             f"--output.uri={out}",
             "--log.level=warning",
             "--log.format=json",
+            *(extra or []),
         ]
     )
 

@@ -219,12 +219,25 @@ class OutputSettings(Section):
         "waiting for upload); when reached, extraction waits for uploads. Must hold the largest "
         "shard; 3x shard_bytes or more keeps extraction and uploads overlapping",
     )
-    upload_threads: PositiveInt = Field(8, description="s3:// output: parallel part uploads per shard")
+    upload_threads: PositiveInt = Field(
+        8,
+        description="s3:// output: part uploads in flight at once, shared by the parallel_uploads shards "
+        "uploading together",
+    )
     part_size: ByteSize = Field(
         ByteSize(64 * 1024**2),
         description="s3:// output: multipart part size (and the size above which uploads are multipart). "
         "Keep 64MiB or more in production; values down to S3's 5MiB minimum exist so tests can "
         "exercise multipart uploads with small shards",
+    )
+    sign_payload: bool = Field(
+        True,
+        description="s3:// output to an http:// endpoint: SigV4-sign the bytes of every uploaded part "
+        "with SHA-256 (botocore's default there; over https botocore leaves bodies that carry a checksum "
+        "unsigned anyway). false sends UNSIGNED-PAYLOAD: the CRC64NVME of every part and of the whole "
+        "shard still catch corruption, not deliberate tampering on the wire, so use it only for an "
+        "endpoint on a trusted network (in-cluster, localhost); it saves a SHA-256 pass over every "
+        "byte in the job and in the server",
     )
     hidden_dtype: Literal["model", "fp8_e4m3"] = Field(
         "model",

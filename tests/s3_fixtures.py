@@ -313,6 +313,7 @@ class Request:
     path: str  # without the query
     query: str
     body: bytes
+    headers: dict[str, str] = field(default_factory=dict)  # names in lower case
 
     @property
     def operation(self) -> str:
@@ -510,7 +511,11 @@ def _read_request(rfile: Any, conn: socket.socket) -> tuple[bytes, bytes, Reques
         raw_body = decoded = rfile.read(int(headers.get("content-length", 0)))
     method, target, _ = request_line.decode("latin-1").split(" ", 2)
     path, _, query = target.partition("?")
-    return request_line + b"".join(header_lines) + b"\r\n", raw_body, Request(method, path, query, decoded)
+    return (
+        request_line + b"".join(header_lines) + b"\r\n",
+        raw_body,
+        Request(method, path, query, decoded, headers),
+    )
 
 
 @pytest.fixture

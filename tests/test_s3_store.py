@@ -59,6 +59,7 @@ def open_store(settings: OutputSettings, index: int, **kwargs: Any) -> ObjectInd
         "output.uri",
         upload_threads=int(settings.upload_threads),
         part_size=int(settings.part_size),
+        sign_payload=settings.sign_payload,
     )
     return ObjectIndexStore.open(transport, root, settings, index, **kwargs)
 
@@ -136,6 +137,41 @@ def test_shards_are_checksummed_multipart_and_never_overwritten(
         assert multipart_uploads(s3, bucket, "store-keys") == []
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("sign_payload", [True, False])
+def test_part_bodies_are_signed_unless_turned_off(
+    monkeypatch: pytest.MonkeyPatch,
+    s3_env: None,
+    s3: Any,
+    bucket: str,
+    fault_proxy: FaultProxy,
+    sign_payload: bool,
+) -> None:
+    """output.sign_payload=false: shard parts go as UNSIGNED-PAYLOAD over http://, each still
+    with its CRC64NVME (which the server checks), and the shard is verified as before."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.endpoint)
+    prefix = f"store-signing-{sign_payload}"
+    store = open_store(output(bucket, prefix, max_staged_bytes="64MiB", sign_payload=sign_payload), 0)
+    try:
+        staged = stage_random(store, "shard-00000.safetensors", 12 * MiB)
+        checksum = crc64nvme_file(staged.path)
+        assert store.commit_shard(staged, checksum).checksum == checksum
+    finally:
+        store.close()
+    parts = [r for r in fault_proxy.requests if r.operation == "UploadPart"]
+    assert len(parts) == 3  # 5 + 5 + 2 MiB
+    for part in parts:
+        assert part.headers["x-amz-checksum-crc64nvme"]
+        content_sha256 = part.headers["x-amz-content-sha256"]
+        if sign_payload:
+            assert len(content_sha256) == 64 and int(content_sha256, 16) >= 0  # the body's SHA-256
+        else:
+            assert content_sha256 == "UNSIGNED-PAYLOAD"
+    head = s3.head_object(
+        Bucket=bucket, Key=f"{prefix}/index-00000/shard-00000.safetensors", ChecksumMode="ENABLED"
+    )
+    assert head["ChecksumCRC64NVME"] == checksum
 
 
 def test_staging_space_is_bounded(s3_env: None, bucket: str) -> None:

@@ -46,7 +46,11 @@ def open_index_store(output: OutputSettings, index: int) -> IndexStore:
     from job.storage.objects import ObjectIndexStore
 
     transport, root = connect_transport(
-        output.uri, "output.uri", upload_threads=int(output.upload_threads), part_size=int(output.part_size)
+        output.uri,
+        "output.uri",
+        upload_threads=int(output.upload_threads),
+        part_size=int(output.part_size),
+        sign_payload=output.sign_payload,
     )
     try:
         return ObjectIndexStore.open(transport, root, output, index)

@@ -73,13 +73,21 @@ _CREDENTIAL_ERRORS = {
 
 
 def connect(
-    uri: str, setting: str, *, upload_threads: int = 8, part_size: int = DEFAULT_PART_SIZE
+    uri: str,
+    setting: str,
+    *,
+    upload_threads: int = 8,
+    part_size: int = DEFAULT_PART_SIZE,
+    sign_payload: bool = True,
 ) -> tuple[S3Transport, str]:
     """The transport for ``s3://bucket/prefix`` and the prefix (no leading or trailing ``/``)."""
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")
     if not bucket:
         raise ConfigError(f"{setting}: {uri!r} names no bucket; use s3://bucket/prefix")
-    return S3Transport(bucket, setting, upload_threads=upload_threads, part_size=part_size), prefix.strip("/")
+    transport = S3Transport(
+        bucket, setting, upload_threads=upload_threads, part_size=part_size, sign_payload=sign_payload
+    )
+    return transport, prefix.strip("/")
 
 
 class _RetryCounter:
@@ -101,13 +109,16 @@ class _RetryCounter:
                 self.retries += n
 
 
-def _make_client(counter: _RetryCounter, max_connections: int) -> BaseClient:
+def _make_client(counter: _RetryCounter, max_connections: int, sign_payload: bool = True) -> BaseClient:
     retries: dict[str, Any] = {}
     if not os.environ.get("AWS_RETRY_MODE"):
         retries["mode"] = RETRY_MODE
     if not os.environ.get("AWS_MAX_ATTEMPTS"):
         retries["max_attempts"] = MAX_ATTEMPTS
-    config = Config(retries=retries, max_pool_connections=max_connections)  # type: ignore[arg-type]
+    # payload_signing_enabled=False: UNSIGNED-PAYLOAD over http:// too (botocore signs bodies
+    # there by default); what botocore sends over https is the same either way.
+    s3 = None if sign_payload else {"payload_signing_enabled": False}
+    config = Config(retries=retries, max_pool_connections=max_connections, s3=s3)  # type: ignore[arg-type]
     client = boto3.session.Session().client("s3", config=config)
     client.meta.events.register("after-call.s3", counter.after_call)
     client.meta.events.register("after-call-error.s3", counter.after_call_error)
@@ -163,14 +174,16 @@ def _backoff(attempt: int) -> None:
 class S3Transport(ObjectTransport):
     scheme = "s3"
 
-    def __init__(self, bucket: str, setting: str, *, upload_threads: int, part_size: int) -> None:
+    def __init__(
+        self, bucket: str, setting: str, *, upload_threads: int, part_size: int, sign_payload: bool = True
+    ) -> None:
         self.bucket = bucket
         self.setting = setting
         self._counter = _RetryCounter()
         self._client = _make_client(self._counter, 10)
         # Every object the shard client creates is create-only: s3transfer has no If-None-Match
         # argument, so it is added to the two requests that create objects.
-        self._shard_client = _make_client(self._counter, upload_threads + 4)
+        self._shard_client = _make_client(self._counter, upload_threads + 4, sign_payload)
         for operation in ("PutObject", "CompleteMultipartUpload"):
             self._shard_client.meta.events.register(f"before-parameter-build.s3.{operation}", _create_only)
         transfer = TransferConfig(

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# On the lent H200 machine (no GPU, no network needed), from the checkout's root, in one call of
+# at most ~5 min: the S3 path's throughput.
+#   1. a throughput-tuned SeaweedFS (.ci/s3-fast.sh, $VOLUMES volume servers) on /dev/shm;
+#   2. its raw ceiling, boto3 alone (python -m job.bench_s3): 4 files x 1 GiB from /dev/shm at
+#      8/32/64 threads x 64/128 MiB parts, UNSIGNED-PAYLOAD; then signed at 32 x 64 MiB;
+#   3. the job's write path into the tuned server (python -m job bench --groups write --write-to s3:
+#      rows from memory, prompts of the Llama-3.1-8B shape in 2 GiB shards staged on /dev/shm):
+#      tuned (upload_threads and part_size of the best raw row, parallel_uploads 4, sign_payload
+#      false; 500 prompts, ~17.5 GB),
+#      then the job's defaults (upload_threads 8, parallel_uploads 3, signed; 250 prompts);
+#   4. 32 x 64 MiB raw with 64 MiB chunks (S3_FAST_CHUNK_MB=64) instead of 16, and the baseline:
+#      `weed mini` as .ci/seaweedfs.sh starts it (-master.volumeSizeLimitMB=1024).
+# Needs .whl-s3/ (bash .ci/gpu-s3-prep.sh, here): run(command="bash .ci/gpu-s3.sh", carry=[".whl-s3"]).
+# Rows: $OUT/results.jsonl; everything else: $OUT/gpu_s3.log; a table is printed last.
+# Env: VOLUMES (4), PORT (18800), BUDGET_S (280: later steps are skipped or cut short past it),
+#      RAW_FILE_SIZE (1GiB), JOB_PROMPTS (500): smaller for a functional run on a small machine,
+#      GPU_S3_INSTALL (1: install .whl-s3/*.whl into /tmp/s3site; 0: use the Python as it is),
+#      WEED (a weed binary to use instead of .whl-s3/weed.xz).
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-s3}
+mkdir -p "$OUT"
+L=$OUT/gpu_s3.log
+PORT=${PORT:-18800}
+VOLUMES=${VOLUMES:-4}
+BUDGET_S=${BUDGET_S:-280}
+SHM=/dev/shm/eagle3-s3
+start=$SECONDS
+run_id=$(date -u +%Y%m%dT%H%M%SZ)
+step() { echo "=== $* ($((SECONDS - start)) s)" | tee -a "$L"; }
+# budget S: sets $limit to S seconds or what the budget has left, if less; fails under 20 s.
+budget() {
+  local rest=$((BUDGET_S - (SECONDS - start)))
+  limit=$(($1 < rest ? $1 : rest))
+  [ "$limit" -ge 20 ] || { echo "skipped: the budget is spent" | tee -a "$L"; return 1; }
+}
+# within S CMD...: CMD under budget S, its output to the log.
+within() { budget "$1" && shift && timeout "$limit" "$@" >>"$L" 2>&1; }
+
+step "setup: $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(uname -m), $(python3 --version 2>&1)"
+[ "$(uname -m)" = x86_64 ] || { echo "weed.xz is an x86_64 binary" | tee -a "$L"; exit 1; }
+if [ "${GPU_S3_INSTALL:-1}" = 1 ]; then
+  [ -d /tmp/s3site/boto3 ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --target /tmp/s3site .whl-s3/*.whl >>"$L" 2>&1 || { echo "wheel install failed; see $L"; exit 1; }
+  export PYTHONPATH=/tmp/s3site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+if [ -z "${WEED:-}" ]; then
+  mkdir -p /tmp/s3bin
+  python3 - .whl-s3/weed.xz /tmp/s3bin/weed "$(cat .whl-s3/weed.sha256)" <<'PY' || exit 1
+import hashlib, lzma, os, shutil, sys
+
+source, target, expected = sys.argv[1:]
+with lzma.open(source) as f, open(target, "wb") as out:
+    shutil.copyfileobj(f, out, 16 << 20)
+with open(target, "rb") as f:
+    digest = hashlib.file_digest(f, "sha256").hexdigest()
+if digest != expected:
+    sys.exit(f"{target}: SHA-256 {digest}, expected {expected}")
+os.chmod(target, 0o755)
+PY
+  export WEED=/tmp/s3bin/weed
+fi
+export PATH=$(dirname "$WEED"):$PATH
+"$WEED" version 2>&1 | head -1 | tee -a "$L"
+export AWS_ENDPOINT_URL=http://127.0.0.1:$PORT AWS_ENDPOINT_URL_S3=http://127.0.0.1:$PORT
+export AWS_ACCESS_KEY_ID=eagle3-admin AWS_SECRET_ACCESS_KEY=eagle3-admin-secret AWS_DEFAULT_REGION=us-east-1
+unset AWS_PROFILE AWS_SESSION_TOKEN
+rm -rf "$SHM" && mkdir -p "$SHM"
+raw=(python3 -m job.bench_s3 --files 4 --file-size "${RAW_FILE_SIZE:-1GiB}" --src-dir "$SHM/src" --out "$OUT")
+
+# Most telling first: what is left when the budget runs out is skipped.
+step "raw ceiling: .ci/s3-fast.sh, $VOLUMES volume servers"
+.ci/s3-fast.sh start "$SHM/fast" "$PORT" "$VOLUMES" >>"$L" 2>&1 || { tail -20 "$L"; exit 1; }
+within 110 "${raw[@]}" --threads 8,32,64 --part-sizes 64MiB,128MiB --payload-signing off \
+  --server-pids "$SHM/fast/pids" --tag "$run_id fast v$VOLUMES"
+within 30 "${raw[@]}" --threads 32 --part-sizes 64MiB --payload-signing on \
+  --server-pids "$SHM/fast/pids" --tag "$run_id fast v$VOLUMES"
+.ci/s3-fast.sh stop "$SHM/fast"; rm -rf "$SHM/fast"  # deletes do not free a volume's tmpfs pages
+
+step "the job's write path to S3 (rows from memory)"
+.ci/s3-fast.sh start "$SHM/fast" "$PORT" "$VOLUMES" >>"$L" 2>&1 || { tail -20 "$L"; exit 1; }
+prompts=${JOB_PROMPTS:-500}
+job=(python3 -m job bench --model llama-3.1-8b --groups write --write-to s3 --long-prompts 0
+  --work-dir /tmp/eb-s3 --out "$OUT" --s3-server-pids "$SHM/fast/pids"
+  --s3-setting output.max_staged_bytes=16GiB)
+# The tuned run takes the best raw row's threads and part size (32 x 64 MiB if there is none).
+read -r threads part < <(python3 - "$OUT/results.jsonl" "$run_id" <<'PY'
+import json, sys
+
+rows = [json.loads(line) for line in open(sys.argv[1])]
+raw = [r for r in rows if r.get("config") == "s3_raw" and r.get("tag", "").startswith(sys.argv[2])
+       and not r["payload_signing"]]
+best = max(raw, key=lambda r: r["gb_per_s"], default={"threads": 32, "part_size_mib": 64})
+print(best["threads"], best["part_size_mib"])
+PY
+)
+echo "tuned job: upload_threads $threads, part_size ${part}MiB" | tee -a "$L"
+# The group's own limit (--timeout) leaves the orchestrator 15 s (disk probe, start-up).
+budget 100 && timeout "$limit" "${job[@]}" --num-prompts "$prompts" --timeout $((limit - 15)) \
+  --s3-setting output.upload_threads="$threads" --s3-setting output.part_size="${part}MiB" \
+  --s3-setting output.parallel_uploads=4 --s3-setting output.sign_payload=false >>"$L" 2>&1
+budget 70 && timeout "$limit" "${job[@]}" --num-prompts $((prompts / 2)) --timeout $((limit - 15)) >>"$L" 2>&1
+.ci/s3-fast.sh stop "$SHM/fast"; rm -rf "$SHM/fast" /dev/shm/eagle3-bench
+
+step "the tuned server with 64 MiB chunks"
+S3_FAST_CHUNK_MB=64 .ci/s3-fast.sh start "$SHM/fast" "$PORT" "$VOLUMES" >>"$L" 2>&1 &&
+  within 35 "${raw[@]}" --threads 32 --part-sizes 64MiB --payload-signing off \
+    --server-pids "$SHM/fast/pids" --tag "$run_id fast v$VOLUMES chunk 64 MiB"
+.ci/s3-fast.sh stop "$SHM/fast"; rm -rf "$SHM/fast"
+
+step "baseline: weed mini (.ci/seaweedfs.sh)"
+if budget 30 && WEED_MINI_ARGS=-master.volumeSizeLimitMB=1024 .ci/seaweedfs.sh start "$SHM/mini" "$PORT" >>"$L" 2>&1; then
+  within 30 "${raw[@]}" --threads 32 --part-sizes 64MiB --payload-signing off \
+    --server-pids "$SHM/mini/weed.pid" --tag "$run_id mini"
+fi
+.ci/seaweedfs.sh stop "$SHM/mini"
+rm -rf "$SHM" "$OUT"/bench-*.jsonl
+step done
+
+python3 - "$OUT/results.jsonl" "$run_id" <<'PY'
+import json, sys
+
+rows = [json.loads(line) for line in open(sys.argv[1])]
+raw = [r for r in rows if r.get("config") == "s3_raw" and str(r.get("tag", "")).startswith(sys.argv[2])]
+job = [r for r in rows if r.get("config") == "write_s3" and r.get("run_id", "") >= sys.argv[2]]
+print("| server | threads | part MiB | signed | GB/s | client CPU s/GB | server CPU s/GB | verified |")
+print("|---|---|---|---|---|---|---|---|")
+for r in raw:
+    print(f"| {r['tag'].split(' ', 1)[1]} | {r['threads']} | {r['part_size_mib']} | {r['payload_signing']} "
+          f"| {r['gb_per_s']} | {r['client_cpu_s_per_gb']} | {r['server_cpu_s_per_gb']} | {r['verified']} |")
+fast = [r for r in raw if "fast" in r["tag"] and "chunk" not in r["tag"] and not r["payload_signing"]]
+best = max(fast, key=lambda r: r["gb_per_s"]) if fast else None
+print()
+print("| job | upload_threads | parallel_uploads | signed | GB/s | / raw same threads+part+signing | / best raw "
+      "| shards | tail s | job CPU s/GB | server CPU s/GB |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+for r in job:
+    same = [x for x in raw if "fast" in x["tag"] and "chunk" not in x["tag"] and x["threads"] == r["upload_threads"]
+            and x["part_size_mib"] == r["part_size_mib"] and x["payload_signing"] == r["sign_payload"]]
+    ratio = round(r["gb_per_s"] / same[0]["gb_per_s"], 3) if same else ""
+    print(f"| write_s3 | {r['upload_threads']} | {r['parallel_uploads']} | {r['sign_payload']} | {r['gb_per_s']} "
+          f"| {ratio} | {round(r['gb_per_s'] / best['gb_per_s'], 3) if best else ''} "
+          f"| {r['shards']} | {r['tail_seconds']} | {r['job_cpu_s_per_gb']} | {r['server_cpu_s_per_gb']} |")
+if best:
+    print(f"\nbest raw: {best['gb_per_s']} GB/s at {best['threads']} threads x {best['part_size_mib']} MiB")
+PY
