@@ -1,6 +1,7 @@
 """``python -m job inspect PATH [--verify]``: summarize a shard file or an output (local or on an
-object store). ``--verify`` checks every listed shard's size and CRC64NVME against its manifest
-(a single shard file: against the manifest beside it); any problem makes the command exit 1."""
+object store). ``--verify`` checks every listed shard's (and sidecar's) size and CRC64NVME against
+its manifest (a single shard file: against the manifest beside it); any problem makes the command
+exit 1."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from pathlib import Path
 
 from job.errors import ConfigError, DamagedShard
 from job.layout import MANIFEST
-from job.manifest import Manifest
+from job.manifest import Manifest, StoredFile
 from job.shards import Shard
 from job.storage import open_shard_source, uri_scheme
 from job.storage.base import ShardSource
-from job.storage.local import check_local_shard
+from job.storage.local import check_local_file
 
 SETTING = "inspect PATH"
 
@@ -71,7 +72,7 @@ def _verify_against_manifest(path: Path) -> tuple[str, bool]:
     if entry is None:
         return f"FAILED: {manifest_path} does not list {path.name} (an interrupted run's leftover)", False
     try:
-        check_local_shard(path, entry, checksum=True)
+        check_local_file(path, entry, checksum=True)
     except DamagedShard as exc:
         return f"DAMAGED: {exc}", False
     return f"checksum ok ({entry.checksum.algorithm} {entry.checksum.value})", True
@@ -95,17 +96,39 @@ def _inspect_output(source: ShardSource, verify: bool) -> Report:
             f"{nbytes / 1024**2:.1f} MiB, layers {manifest.identity.layer_ids}, backend "
             f"{manifest.backend.get('backend')}"
         )
+        if manifest.generation is not None:
+            g, how = manifest.generation, manifest.identity.generation or {}
+            lines.append(
+                f"  regenerated ({', '.join(f'{k} {v}' for k, v in how.items())}): {g.conversations} "
+                f"conversations, {g.turns} turns, {g.generated_tokens} tokens generated, "
+                f"{g.cut_by_length} turns cut by length"
+            )
         for entry in manifest.shards:
-            try:
-                source.check(index.name, entry, checksum=verify)
-                status = "  checksum ok" if verify else ""
-            except DamagedShard as exc:
-                status, ok = f"  DAMAGED: {exc}", False
+            status, fine = _check(source, index.name, entry, verify)
+            ok = ok and fine
             lines.append(
                 f"  {entry.name}: {entry.num_samples} samples, {entry.num_tokens} tokens, "
                 f"{entry.bytes} bytes, {entry.checksum.algorithm} {entry.checksum.value}{status}"
             )
+            if entry.regenerated is not None:
+                sidecar = entry.regenerated
+                status, fine = _check(source, index.name, sidecar, verify)
+                ok = ok and fine
+                lines.append(
+                    f"    {sidecar.name}: {sidecar.counts.turns} turns, {sidecar.counts.generated_tokens} "
+                    f"tokens generated, {sidecar.bytes} bytes, {sidecar.checksum.algorithm} "
+                    f"{sidecar.checksum.value}{status}"
+                )
     return Report("\n".join(lines), ok)
+
+
+def _check(source: ShardSource, index: str, entry: StoredFile, verify: bool) -> tuple[str, bool]:
+    """The status to print after a listed file, and whether it is fine."""
+    try:
+        source.check(index, entry, checksum=verify)
+    except DamagedShard as exc:
+        return f"  DAMAGED: {exc}", False
+    return ("  checksum ok" if verify else ""), True
 
 
 def _one_line(exc: Exception) -> str:

@@ -3,6 +3,9 @@
 ::
 
     index-{i:05d}/shard-{k:05d}.safetensors   committed shards (many samples each)
+    index-{i:05d}/shard-{k:05d}.regenerated.jsonl
+                                              generate.mode: the conversations as regenerated,
+                                              one line per sample of that shard
     index-{i:05d}/manifest.json               the commit record, rewritten after every shard
     index-{i:05d}/rejected.jsonl              one {"sample_id", "reason"} per rejected sample
     index-{i:05d}/logs/{run_id}.jsonl         each run's JSON event stream
@@ -17,6 +20,7 @@ MANIFEST = "manifest.json"
 REJECTED = "rejected.jsonl"
 LOGS = "logs"
 SHARD_SUFFIX = ".safetensors"
+REGENERATED_SUFFIX = ".regenerated.jsonl"
 # A file being written under its final name plus this suffix (local stores, staging).
 PARTIAL = ".partial"
 
@@ -27,6 +31,11 @@ def index_dir_name(index: int) -> str:
 
 def shard_name(number: int) -> str:
     return f"shard-{number:05d}{SHARD_SUFFIX}"
+
+
+def regenerated_name(shard: str) -> str:
+    """The sidecar of shard ``shard`` (it shares the shard's number)."""
+    return shard.removesuffix(SHARD_SUFFIX) + REGENERATED_SUFFIX
 
 
 def shard_number(name: str) -> int | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,16 +23,46 @@ class Checksum(BaseModel):
     value: str
 
 
-class ShardEntry(BaseModel):
+class StoredFile(BaseModel):
+    """A committed file: its name in the index directory, size and checksum."""
+
     model_config = ConfigDict(extra="allow")
+    described_as: ClassVar[str] = "file"  # in messages about it
 
     name: str
-    num_samples: int
-    num_tokens: int
     bytes: int
     checksum: Checksum
+
+
+class GenerationCounts(BaseModel):
+    """What regeneration (generate.mode) produced for a set of samples."""
+
+    conversations: int = 0
+    turns: int = 0
+    generated_tokens: int = 0
+    cut_by_length: int = 0  # turns that ended at generate.max_new_tokens or data.max_length
+
+    def add(self, other: GenerationCounts, sign: int = 1) -> None:
+        for field in GenerationCounts.model_fields:
+            setattr(self, field, getattr(self, field) + sign * getattr(other, field))
+
+
+class Regenerated(StoredFile):
+    """A shard's sidecar (layout.regenerated_name): the regenerated conversations of its samples."""
+
+    described_as: ClassVar[str] = "sidecar"
+
+    counts: GenerationCounts
+
+
+class ShardEntry(StoredFile):
+    described_as: ClassVar[str] = "shard"
+
+    num_samples: int
+    num_tokens: int
     sample_ids: list[str]
     num_truncated: int = 0
+    regenerated: Regenerated | None = None  # generate.mode other than keep
 
 
 class Counts(BaseModel):
@@ -54,6 +84,7 @@ class Identity(BaseModel):
     max_length: int
     too_long: str
     reasoning_in_loss: bool = True  # absent in manifests written before the setting existed
+    generation: dict[str, Any] | None = None  # generate.mode and its sampling; None: the data's turns
     tokenizer_fingerprint: str
     work_index: int
     work_count: int
@@ -75,10 +106,33 @@ class Manifest(BaseModel):
     shards: list[ShardEntry] = Field(default_factory=list)
     counts: Counts = Field(default_factory=Counts)
     run_ids: list[str] = Field(default_factory=list)
+    # generate.mode other than keep: what was generated, summed over the listed shards.
+    generation: GenerationCounts | None = None
     updated_at: str = ""
 
     def done_sample_ids(self) -> set[str]:
         return {sid for shard in self.shards for sid in shard.sample_ids}
+
+    def add_shard(self, entry: ShardEntry) -> None:
+        self.shards.append(entry)
+        self._count(entry, 1)
+
+    def drop_shard(self, entry: ShardEntry) -> None:
+        self.shards.remove(entry)
+        self._count(entry, -1)
+
+    def _count(self, entry: ShardEntry, sign: int) -> None:
+        self.counts.written += sign * entry.num_samples
+        self.counts.truncated += sign * entry.num_truncated
+        if entry.regenerated is not None:
+            if self.generation is None:
+                self.generation = GenerationCounts()
+            self.generation.add(entry.regenerated.counts, sign)
+
+    def listed_names(self) -> set[str]:
+        """Every file a listed shard consists of (the shard, and its sidecar)."""
+        names = {s.name for s in self.shards}
+        return names | {s.regenerated.name for s in self.shards if s.regenerated is not None}
 
     def to_bytes(self) -> bytes:
         self.updated_at = datetime.now(UTC).isoformat(timespec="seconds")

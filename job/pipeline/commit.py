@@ -1,9 +1,10 @@
 """Commit finished shards in the background, then record them in the manifest.
 
 Order per shard: (repack without failed samples) -> ``store.commit_shard`` (fsync + rename
-/ verified upload) -> manifest rewrite. The checksum comes with the finished shard
-(combined from its writes). A crash anywhere before the manifest rewrite leaves an
-unlisted shard that the next run discards, so no sample is ever listed twice or lost.
+/ verified upload) -> (its sidecar of regenerated conversations, the same way) -> manifest
+rewrite. The checksum comes with the finished shard (combined from its writes). A crash
+anywhere before the manifest rewrite leaves unlisted files that the next run discards, so no
+sample is ever listed twice or lost.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import orjson
 import torch
 
-from job.checksum import ALGORITHM
+from job.checksum import ALGORITHM, crc64nvme_file
 from job.data.encode import EncodedSample
-from job.manifest import Checksum, Manifest, ShardEntry
+from job.generate.stage import generation_counts
+from job.layout import PARTIAL, regenerated_name
+from job.manifest import Checksum, Manifest, Regenerated, ShardEntry
 from job.shards.planner import ShardPlan
 from job.shards.writer import FinishedShard, ShardContext, ShardWriter
 from job.storage.base import IndexStore
@@ -39,8 +43,11 @@ class Committer:
         on_rejected: Callable[[str, str], None],
         log: Any,
         workers: int = 1,
+        regenerated: Callable[[list[str]], list[dict[str, Any]]] | None = None,
     ) -> None:
+        """``regenerated``: with generate.mode, the sidecar lines of a shard's samples, by id."""
         self.store = store
+        self._regenerated = regenerated
         self.manifest = manifest
         self._version = manifest_version
         self._context = context
@@ -93,6 +100,10 @@ class Committer:
                 return
             checksum = _repack(finished.staged, plan, kept, self._context, self.store.staging_is_output)
             plan = ShardPlan(plan.number, kept)
+        records = None
+        if self._regenerated is not None:
+            records = self._regenerated([s.sample_id for s in finished.plan.samples])
+            records = [r for r in records if r["sample_id"] not in finished.failed]
         committed = self.store.commit_shard(finished.staged, checksum)
         entry = ShardEntry(
             name=committed.name,
@@ -102,13 +113,11 @@ class Committer:
             checksum=Checksum(algorithm=ALGORITHM, value=committed.checksum),
             sample_ids=[s.sample_id for s in plan.samples],
             num_truncated=sum(s.truncated for s in plan.samples),
+            regenerated=None if records is None else self._commit_sidecar(committed.name, records),
         )
         with self._lock:
-            self.manifest.shards.append(entry)
-            counts = self.manifest.counts
-            counts.written += entry.num_samples
-            counts.truncated += entry.num_truncated
-            self.committed_samples = counts.written
+            self.manifest.add_shard(entry)
+            self.committed_samples = self.manifest.counts.written
             self.direct_io_bytes += finished.direct_bytes
         self.write_manifest()
         self._log.info(
@@ -119,6 +128,22 @@ class Committer:
             bytes=entry.bytes,
             checksum=entry.checksum.value,
             direct_io_bytes=finished.direct_bytes,
+        )
+
+    def _commit_sidecar(self, shard: str, records: list[dict[str, Any]]) -> Regenerated:
+        """Write and commit the regenerated conversations of a committed shard's samples."""
+        name = regenerated_name(shard)
+        path = self.store.local_path(name + PARTIAL)
+        with path.open("wb") as f:
+            for record in records:
+                f.write(orjson.dumps(record) + b"\n")
+        nbytes, checksum = path.stat().st_size, crc64nvme_file(path)
+        self.store.commit_file(path, name, checksum)
+        return Regenerated(
+            name=name,
+            bytes=nbytes,
+            checksum=Checksum(algorithm=ALGORITHM, value=checksum),
+            counts=generation_counts(records),
         )
 
 

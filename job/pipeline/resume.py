@@ -48,7 +48,7 @@ def resume(setup: RunSetup, store: IndexStore, log: Any) -> Resumed:
     if not manifest.complete:
         _check_committed(manifest, store, setup.settings.output, log)
     names = store.list_names() if not manifest.complete else []
-    keep = {s.name for s in manifest.shards} | {MANIFEST, REJECTED}
+    keep = manifest.listed_names() | {MANIFEST, REJECTED}
     for name in names:
         if name not in keep and not is_log(name):
             store.discard(name)
@@ -59,11 +59,14 @@ def resume(setup: RunSetup, store: IndexStore, log: Any) -> Resumed:
 def _check_committed(manifest: Manifest, store: IndexStore, output: OutputSettings, log: Any) -> None:
     """Every committed shard must still be what its manifest says (output.verify_on_resume); a
     damaged one stops the run, or with output.on_damaged_shard=reextract is dropped from the
-    manifest (its samples are extracted again; a local file is deleted with the leftovers)."""
+    manifest (its samples are extracted again; local files are deleted with the leftovers). A
+    shard's sidecar of regenerated conversations is checked with it: either damaged drops both."""
     damaged = []
     for entry in manifest.shards:
         try:
-            store.check_committed(entry, checksum=output.verify_on_resume == "checksum")
+            for stored in (entry, entry.regenerated):
+                if stored is not None:
+                    store.check_committed(stored, checksum=output.verify_on_resume == "checksum")
         except DamagedShard as exc:
             damaged.append((entry, str(exc)))
     if not damaged:
@@ -74,7 +77,5 @@ def _check_committed(manifest: Manifest, store: IndexStore, output: OutputSettin
             f"{damaged[0][1]}; set output.on_damaged_shard=reextract to extract their samples again"
         )
     for entry, problem in damaged:
-        manifest.shards.remove(entry)
-        manifest.counts.written -= entry.num_samples
-        manifest.counts.truncated -= entry.num_truncated
+        manifest.drop_shard(entry)
         log.warning("damaged_shard_dropped", shard=entry.name, samples=entry.num_samples, problem=problem)

@@ -25,7 +25,9 @@ scales: value = fp8 * scale.
 sample_ids, layer_ids, layer_convention, final_layer_prenorm, model_path,
 model_name, model_config_hash, model_dtype, dtype, storage, hidden_size,
 num_model_layers, backend, backend_info, data_fingerprint, work_index,
-work_count, run_id, num_truncated.
+work_count, run_id, num_truncated; and where the turns were regenerated
+(generate.mode), generation: the mode and sampling they were generated with (the
+text is in the shard's sidecar, job.layout).
 """
 
 from __future__ import annotations

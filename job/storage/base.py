@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from job.manifest import Manifest, ShardEntry
+from job.manifest import Manifest, StoredFile
 from job.storage.staging import StagedShard, StagingArea
 
 
@@ -67,8 +67,13 @@ class IndexStore(ABC):
         discarded (its space given back) whether or not this succeeds."""
 
     @abstractmethod
-    def check_committed(self, entry: ShardEntry, checksum: bool) -> None:
-        """Raise DamagedShard unless committed shard ``entry`` is present with the manifest's size
+    def commit_file(self, path: Path, name: str, checksum: str) -> None:
+        """Publish finished local file ``path`` (a shard's sidecar) as new object ``name``, durably,
+        with the store proving its checksum where it can; ``path`` is gone afterwards."""
+
+    @abstractmethod
+    def check_committed(self, entry: StoredFile, checksum: bool) -> None:
+        """Raise DamagedShard unless committed file ``entry`` is present with the manifest's size
         and, with ``checksum``, its CRC64NVME (local: the file is read; object stores: the
         checksum the store recorded is asked for)."""
 
@@ -115,15 +120,15 @@ class ShardSource(ABC):
         """Every index present, in index order."""
 
     @abstractmethod
-    def open_stream(self, index: str, entry: ShardEntry) -> IO[bytes]:
+    def open_stream(self, index: str, entry: StoredFile) -> IO[bytes]:
         """A seekable reader of shard ``entry`` as stored (enough to read its header)."""
 
     @abstractmethod
-    def fetch(self, index: str, entry: ShardEntry) -> AbstractContextManager[Path]:
+    def fetch(self, index: str, entry: StoredFile) -> AbstractContextManager[Path]:
         """A local file holding shard ``entry``, checked against the manifest's checksum where the
         source verifies, for as long as the context lasts."""
 
     @abstractmethod
-    def check(self, index: str, entry: ShardEntry, checksum: bool = True) -> None:
+    def check(self, index: str, entry: StoredFile, checksum: bool = True) -> None:
         """Raise DamagedShard (naming the shard and what is wrong) unless shard ``entry`` is present
         with the manifest's size and, with ``checksum``, its CRC64NVME."""

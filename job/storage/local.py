@@ -12,7 +12,7 @@ from typing import IO
 from job.checksum import crc64nvme_file
 from job.errors import ConfigError, DamagedShard
 from job.layout import MANIFEST, PARTIAL, index_dir_name
-from job.manifest import ShardEntry
+from job.manifest import StoredFile
 from job.storage.base import CommittedShard, IndexStore, ShardSource, SourceIndex
 from job.storage.staging import StagedShard, StagingArea
 
@@ -89,8 +89,17 @@ class LocalIndexStore(IndexStore):
         finally:
             staged.discard()
 
-    def check_committed(self, entry: ShardEntry, checksum: bool) -> None:
-        check_local_shard(self.directory / entry.name, entry, checksum)
+    def commit_file(self, path: Path, name: str, checksum: str) -> None:
+        final = self.directory / name
+        if final.exists():
+            raise FileExistsError(f"{final} exists; committed files are never overwritten")
+        with path.open("rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(path, final)
+        _fsync_dir(self.directory)
+
+    def check_committed(self, entry: StoredFile, checksum: bool) -> None:
+        check_local_file(self.directory / entry.name, entry, checksum)
 
     def discard(self, name: str) -> None:
         (self.directory / name).unlink(missing_ok=True)
@@ -142,37 +151,37 @@ class LocalShardSource(ShardSource):
             found.append(SourceIndex.parse(name, path.read_bytes() if path.is_file() else None, str(path)))
         return found
 
-    def _listed(self, index: str, entry: ShardEntry) -> Path:
+    def _listed(self, index: str, entry: StoredFile) -> Path:
         path = self._dirs[index] / entry.name
         if not path.is_file():
             raise DamagedShard(f"{path}: listed in {index}/{MANIFEST} but missing")
         return path
 
-    def open_stream(self, index: str, entry: ShardEntry) -> IO[bytes]:
+    def open_stream(self, index: str, entry: StoredFile) -> IO[bytes]:
         return self._listed(index, entry).open("rb")
 
-    def check(self, index: str, entry: ShardEntry, checksum: bool = True) -> None:
-        check_local_shard(self._listed(index, entry), entry, checksum)
+    def check(self, index: str, entry: StoredFile, checksum: bool = True) -> None:
+        check_local_file(self._listed(index, entry), entry, checksum)
 
     @contextmanager
-    def fetch(self, index: str, entry: ShardEntry) -> Iterator[Path]:
+    def fetch(self, index: str, entry: StoredFile) -> Iterator[Path]:
         path = self._listed(index, entry)
         if self.verify:
-            check_local_shard(path, entry, checksum=True)
+            check_local_file(path, entry, checksum=True)
         yield path
 
 
-def check_local_shard(path: Path, entry: ShardEntry, checksum: bool) -> None:
+def check_local_file(path: Path, entry: StoredFile, checksum: bool) -> None:
     """DamagedShard unless ``path`` has the manifest entry's size (and CRC64NVME)."""
     size = path.stat().st_size if path.is_file() else None
     if size is None:
         raise DamagedShard(f"{path}: listed in the manifest but missing")
     if size != entry.bytes:
         raise DamagedShard(
-            f"{path}: {size} bytes, but the manifest lists {entry.bytes}; the shard is damaged"
+            f"{path}: {size} bytes, but the manifest lists {entry.bytes}; the {entry.described_as} is damaged"
         )
     if checksum and (actual := crc64nvme_file(path)) != entry.checksum.value:
         raise DamagedShard(
             f"{path}: checksum {actual} differs from the manifest's {entry.checksum.value}; "
-            "the shard is damaged"
+            f"the {entry.described_as} is damaged"
         )

@@ -29,7 +29,7 @@ from job.checksum import encode
 from job.errors import ConfigError, DamagedShard, JobError, StorageError, Superseded
 from job.layout import MANIFEST, index_dir_name, is_log, shard_name, shard_number
 from job.logs import get_logger
-from job.manifest import ShardEntry
+from job.manifest import StoredFile
 from job.settings import OutputSettings
 from job.storage.base import CommittedShard, IndexStore, ShardSource, SourceIndex
 from job.storage.staging import StagedShard, StagingArea
@@ -182,7 +182,14 @@ class ObjectIndexStore(IndexStore):
             self._taken.add(number)
         return shard_name(number)
 
-    def check_committed(self, entry: ShardEntry, checksum: bool) -> None:
+    def commit_file(self, path: Path, name: str, checksum: str) -> None:
+        try:
+            self.transport.upload_new(path, self.prefix + name, checksum)
+        finally:
+            path.unlink(missing_ok=True)
+        self._own_keys.add(self.prefix + name)
+
+    def check_committed(self, entry: StoredFile, checksum: bool) -> None:
         key = self.prefix + entry.name
         stored = self.transport.stored_crc64nvme(key)
         if stored is None:
@@ -191,12 +198,12 @@ class ObjectIndexStore(IndexStore):
         if size != entry.bytes:
             raise DamagedShard(
                 f"{self.transport.url(key)}: {size} bytes, but the manifest lists {entry.bytes}; "
-                "the shard is damaged"
+                f"the {entry.described_as} is damaged"
             )
         if checksum and crc != entry.checksum.value:
             raise DamagedShard(
                 f"{self.transport.url(key)}: the store records checksum {crc}, the manifest "
-                f"{entry.checksum.value}; the shard is damaged"
+                f"{entry.checksum.value}; the {entry.described_as} is damaged"
             )
 
     def discard(self, name: str) -> None:
@@ -320,7 +327,7 @@ class ObjectShardSource(ShardSource):
             )
         return found
 
-    def _listed(self, index: str, entry: ShardEntry) -> ObjectInfo:
+    def _listed(self, index: str, entry: StoredFile) -> ObjectInfo:
         key = self._bases[index] + entry.name
         info = self._objects.get(key)
         if info is None:
@@ -328,19 +335,19 @@ class ObjectShardSource(ShardSource):
         if info.size != entry.bytes:
             raise DamagedShard(
                 f"{self.transport.url(key)}: {info.size} bytes, but the manifest lists {entry.bytes}; "
-                "the shard is damaged"
+                f"the {entry.described_as} is damaged"
             )
         return info
 
-    def open_stream(self, index: str, entry: ShardEntry) -> IO[bytes]:
+    def open_stream(self, index: str, entry: StoredFile) -> IO[bytes]:
         return self.transport.open_reader(self._listed(index, entry))
 
-    def check(self, index: str, entry: ShardEntry, checksum: bool = True) -> None:
+    def check(self, index: str, entry: StoredFile, checksum: bool = True) -> None:
         info = self._listed(index, entry)
         if checksum:
             self._copy_checked(info, entry, None)
 
-    def _copy_checked(self, info: ObjectInfo, entry: ShardEntry, out: IO[bytes] | None) -> None:
+    def _copy_checked(self, info: ObjectInfo, entry: StoredFile, out: IO[bytes] | None) -> None:
         """Stream the object (into ``out``), computing its CRC64NVME on the way."""
         crc = 0
         with self.transport.open_reader(info) as reader:
@@ -353,11 +360,11 @@ class ObjectShardSource(ShardSource):
         if encode(crc) != entry.checksum.value:
             raise DamagedShard(
                 f"{self.transport.url(info.key)}: checksum {encode(crc)} differs from the manifest's "
-                f"{entry.checksum.value}; the shard is damaged"
+                f"{entry.checksum.value}; the {entry.described_as} is damaged"
             )
 
     @contextmanager
-    def fetch(self, index: str, entry: ShardEntry) -> Iterator[Path]:
+    def fetch(self, index: str, entry: StoredFile) -> Iterator[Path]:
         info = self._listed(index, entry)
         directory = Path(tempfile.mkdtemp(prefix="eagle3-fetch-"))
         try:
