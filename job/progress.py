@@ -22,6 +22,7 @@ class Snapshot:
     all_planned: bool  # the input is exhausted: planned_tokens is this run's total
     written: int  # samples committed (all runs)
     rejected: int
+    generated_tokens: int = 0  # by regeneration (generate.mode), this run
 
     @property
     def total_tokens(self) -> int | None:
@@ -69,6 +70,7 @@ class Progress:
             tok_per_s=round(rate, 1),
             written=now_state.written,
             rejected=now_state.rejected,
+            generated_tokens=now_state.generated_tokens,
             input_fraction=round(now_state.input_fraction, 4),
             eta_s=None if eta is None else round(max(eta, 0.0), 1),
         )

@@ -309,6 +309,31 @@ class WorkSettings(Section):
         return self
 
 
+class GenerateSettings(Section):
+    """Regenerating assistant turns with the target model before extraction (job.generate)."""
+
+    mode: Literal["keep", "last_turn", "all_turns"] = Field(
+        "keep",
+        description="keep: the data's own turns; last_turn: the final assistant turn generated again "
+        "(or one written after a final user turn); all_turns: every assistant turn, each from the "
+        "regenerated history",
+    )
+    temperature: float | None = Field(
+        None, ge=0, description="Sampling temperature (0: greedy); unset: generation_config.json, else 1"
+    )
+    top_p: float | None = Field(None, gt=0, le=1, description="Unset: generation_config.json, else 1")
+    top_k: int | None = Field(None, ge=0, description="0: none; unset: generation_config.json, else none")
+    max_new_tokens: PositiveInt | None = Field(
+        None, description="Longest generated turn; unset: generation_config.json, else 2048"
+    )
+    seed: int = Field(0, description="A request's seed derives from it, the sample id and the turn")
+    on_length: Literal["keep", "reject"] = Field(
+        "keep",
+        description="A turn cut by max_new_tokens (or data.max_length): keep it (counted as cut) or "
+        "reject the sample (listed in rejected.jsonl)",
+    )
+
+
 class LogSettings(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -340,6 +365,7 @@ class JobSettings(BaseSettings):
     backend: BackendSettings = Field(default_factory=BackendSettings)
     output: OutputSettings = Field(default_factory=OutputSettings)
     work: WorkSettings = Field(default_factory=WorkSettings)
+    generate: GenerateSettings = Field(default_factory=GenerateSettings)
     log: LogSettings = Field(default_factory=LogSettings)
 
     @classmethod

@@ -393,3 +393,39 @@ def test_staging_stays_within_its_bound(
         f"{summary['staging_waits']} waits, {summary['staging_wait_s']:.1f} s waited, "
         f"{len(contents.manifest.shards)} shards"
     )
+
+
+def test_regenerated_conversations_are_committed_with_their_shards(
+    s3_endpoint: str, s3: Any, bucket: str, job_cache: str, tmp_path: Path
+) -> None:
+    """generate.mode: each shard's sidecar is uploaded (its CRC64NVME proven by the store) before
+    the manifest lists the shard, and holds one line per sample of it, in its order."""
+    args = job_args(
+        **s3_uris(bucket, "regenerated"),
+        generate__mode="last_turn",
+        generate__max_new_tokens="8",
+        generate__seed="3",
+    )
+    job = run_job(args, job_env(s3_endpoint, job_cache))
+    assert job.proc.returncode == 0, job.tail()
+    contents = read_index(s3, bucket, "regenerated", tmp_path)
+    manifest = contents.manifest
+    assert manifest is not None and manifest.complete and manifest.generation is not None
+    base = "regenerated/index-00000/"
+    for entry in manifest.shards:
+        sidecar = entry.regenerated
+        assert sidecar is not None and contents.keys[sidecar.name] == sidecar.bytes
+        head = s3.head_object(Bucket=bucket, Key=base + sidecar.name, ChecksumMode="ENABLED")
+        assert head["ChecksumCRC64NVME"] == sidecar.checksum.value
+        body = s3.get_object(Bucket=bucket, Key=base + sidecar.name)["Body"].read()
+        lines = [json.loads(line) for line in body.splitlines()]
+        assert [line["sample_id"] for line in lines] == entry.sample_ids
+        assert all(len(line["turns"]) == 1 for line in lines)
+    assert manifest.generation.conversations == manifest.counts.written
+    listed = {e.name for e in manifest.shards} | {
+        e.regenerated.name for e in manifest.shards if e.regenerated
+    }
+    assert {k for k in contents.keys if not k.startswith("logs/")} == listed | {
+        "manifest.json",
+        "rejected.jsonl",
+    }

@@ -28,6 +28,27 @@ class BackendInput:
     input_ids: np.ndarray  # int32 [T]
 
 
+@dataclass(frozen=True, slots=True)
+class GenerationInput:
+    """One turn to generate: the prompt's token ids and how to sample."""
+
+    request_id: str  # unique per run; its Completion carries it back
+    prompt_ids: np.ndarray  # int32 [T]
+    max_new_tokens: int
+    temperature: float  # 0: greedy
+    top_p: float
+    top_k: int  # 0: none
+    seed: int
+    stop_token_ids: tuple[int, ...]  # any of them ends the turn (and is part of it)
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    request_id: str
+    token_ids: list[int]  # as generated, a final stop token included
+    finish_reason: str  # "stop" | "length"
+
+
 @dataclass(slots=True)
 class HiddenChunk:
     sample_id: str
@@ -41,6 +62,9 @@ class HiddenChunk:
 
 class Backend(ABC):
     name: str
+    # Requests it takes before it needs the output of one: what keeps it busy (with generation,
+    # the conversations worth having between their first turn and their last).
+    concurrent_requests: int = 1
 
     @property
     @abstractmethod
@@ -48,12 +72,24 @@ class Backend(ABC):
         """What produced the data (recorded in shards and the manifest)."""
 
     @abstractmethod
-    def extract(self, inputs: Iterator[BackendInput | None]) -> Iterator[HiddenChunk]:
-        """Hidden states for every input, in any order, chunk by chunk. An input of
-        None means "nothing new right now": finish pending work, then ask again."""
+    def extract(
+        self, inputs: Iterator[BackendInput | GenerationInput | None]
+    ) -> Iterator[HiddenChunk | Completion]:
+        """Hidden states for every BackendInput, in any order, chunk by chunk, and a Completion
+        for every GenerationInput. An input of None means "nothing new right now": go on with
+        pending work, then ask again."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free devices and worker processes."""
+
+
+def generate_all(backend: Backend, requests: list[GenerationInput]) -> dict[str, Completion]:
+    """Convenience for tests and comparisons: every request's completion, by request id."""
+    done = {}
+    for item in backend.extract(iter(requests)):
+        assert isinstance(item, Completion)
+        done[item.request_id] = item
+    return done
 
 
 def create_backend(
@@ -73,6 +109,7 @@ def extract_all(backend: Backend, sequences: list[np.ndarray]) -> list[torch.Ten
     out: list[list[HiddenChunk]] = [[] for _ in sequences]
     inputs = (BackendInput(str(i), np.asarray(s, np.int32)) for i, s in enumerate(sequences))
     for chunk in backend.extract(inputs):
+        assert isinstance(chunk, HiddenChunk)
         out[int(chunk.sample_id)].append(
             HiddenChunk(
                 chunk.sample_id, chunk.start, chunk.rows.clone(), chunk.scales, chunk.last, chunk.nonfinite

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from job.backends import Backend, BackendInput, HiddenChunk
+from job.backends import Backend, BackendInput, Completion, GenerationInput, HiddenChunk
 from job.hidden_dtype import HiddenDtype, hidden_dtype
 from job.model import ModelInfo
 
@@ -67,10 +67,15 @@ class HFBackend(Backend):
         return {"backend": "hf", "transformers_version": transformers.__version__, "device": str(self.device)}
 
     @torch.inference_mode()
-    def extract(self, inputs: Iterator[BackendInput | None]) -> Iterator[HiddenChunk]:
+    def extract(
+        self, inputs: Iterator[BackendInput | GenerationInput | None]
+    ) -> Iterator[HiddenChunk | Completion]:
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         for item in inputs:
             if item is None:  # nothing pending here: just ask again
+                continue
+            if isinstance(item, GenerationInput):
+                yield self._generate(item)
                 continue
             ids = torch.as_tensor(item.input_ids, dtype=torch.long, device=self.device)[None]
             self._captured.clear()
@@ -86,3 +91,31 @@ class HFBackend(Backend):
                 last=True,
                 nonfinite=nonfinite,
             )
+
+    def _generate(self, item: GenerationInput) -> Completion:
+        """transformers' generate, one request at a time; sampling seeded from the request's own
+        seed, so it is reproducible whatever ran before."""
+        from transformers import GenerationConfig
+
+        ids = torch.as_tensor(item.prompt_ids, dtype=torch.long, device=self.device)[None]
+        # Exactly these parameters: not the model's generation_config.json (repetition penalties
+        # and the like), which the job resolved into the request already (job.generate.sampling).
+        sampled = item.temperature > 0
+        config = GenerationConfig(
+            max_new_tokens=item.max_new_tokens,
+            do_sample=sampled,
+            eos_token_id=list(item.stop_token_ids),
+            pad_token_id=item.stop_token_ids[0],
+            **(
+                {"temperature": item.temperature, "top_p": item.top_p, "top_k": item.top_k} if sampled else {}
+            ),
+        )
+        if sampled:
+            torch.manual_seed(item.seed)
+        # transformers fills what `config` leaves unset from the model's own generation config;
+        # a blank one leaves transformers' global defaults (no penalties, no length rules).
+        self.model.generation_config = GenerationConfig()
+        output = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        tokens = output[0, ids.shape[1] :].tolist()
+        stopped = bool(tokens) and tokens[-1] in item.stop_token_ids
+        return Completion(item.request_id, tokens, "stop" if stopped else "length")

@@ -75,6 +75,7 @@ class EncoderSpec:
     vocab_size: int
     reasoning_in_loss: bool = True
     trust_remote_code: bool = False  # model.trust_remote_code: tokenizers with their own code (Kimi)
+    generate_mode: str = "keep"  # generate.mode: keep | last_turn | all_turns (job.generate.turns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,16 @@ class EncodedSample:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationStart:
+    """A conversation whose assistant turns are to be generated again (job.generate.turns)."""
+
+    sample_id: str
+    conversation: Conversation
+    targets: tuple[int, ...]  # message positions of the turns to generate (len(messages): append)
+    prompt_ids: np.ndarray  # int32: the first turn's prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +186,9 @@ class SampleEncoder:
 
     def encode(
         self, sample_id: str, value: dict[str, Any] | None, error: str | None
-    ) -> EncodedSample | RejectedSample:
+    ) -> EncodedSample | RejectedSample | GenerationStart:
+        if self.spec.generate_mode != "keep":
+            return self.start_generation(sample_id, value, error)
         if error is not None:
             return RejectedSample(sample_id, clean_reason(error))
         assert value is not None
@@ -193,6 +206,47 @@ class SampleEncoder:
         except Exception as exc:  # one record must not end the run; the reason says what happened
             reason = f"could not be encoded (unexpected {type(exc).__name__}: {exc})"
         return RejectedSample(sample_id, clean_reason(reason))
+
+    def start_generation(
+        self, sample_id: str, value: dict[str, Any] | None, error: str | None
+    ) -> GenerationStart | RejectedSample:
+        """A record as a conversation to regenerate: which turns (``generate_mode``), and the
+        template's tokens before the first of them."""
+        if error is not None:
+            return RejectedSample(sample_id, clean_reason(error))
+        assert value is not None
+        try:
+            parsed = parse_record(value, self.spec.data_format)
+            if isinstance(parsed, PreTokenized):
+                raise SampleRejected(
+                    "a pre-tokenized record has no turns to regenerate (generate.mode: keep)"
+                )
+            targets = generation_targets(parsed, self.spec.generate_mode)
+            history = parsed.messages[: targets[0]]
+            if not any(m["role"] in ("user", "tool") for m in history):
+                raise SampleRejected(
+                    "nothing to answer: no user or tool turn before the first regenerated turn"
+                )
+            prompt = self.tokenize(self.render(history, parsed.tools, generation_prompt=True))
+        except SampleRejected as exc:
+            return RejectedSample(sample_id, clean_reason(str(exc)))
+        if len(prompt) >= self.spec.max_length:
+            return RejectedSample(
+                sample_id,
+                f"the prompt of the first regenerated turn has {len(prompt)} tokens, data.max_length "
+                f"{self.spec.max_length} leaves none to generate",
+            )
+        return GenerationStart(sample_id, parsed, targets, prompt)
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, generation_prompt: bool
+    ) -> str:
+        """The chat template's text for ``messages`` (SampleRejected if the template refuses them)."""
+        return self._render(messages, tools, self.template(tools), generation_prompt=generation_prompt)[0]
+
+    def tokenize(self, text: str) -> np.ndarray:
+        """``text``'s token ids (int32), no special tokens added: a template's text holds its own."""
+        return self._tokens(text)[0]
 
     def _pretokenized(self, sample: PreTokenized) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(sample.input_ids, dtype=np.int64)
@@ -212,6 +266,8 @@ class SampleEncoder:
         return ids.astype(np.int32), mask
 
     def _conversation(self, conv: Conversation) -> tuple[np.ndarray, np.ndarray, bool]:
+        if not any(m["role"] == "assistant" for m in conv.messages):
+            raise SampleRejected("no assistant turn: nothing to train on")
         template = self.template(conv.tools)
         located: dict[int, Span] | None = None
         if _GENERATION_MARKER.search(template):
@@ -368,6 +424,17 @@ class SampleEncoder:
 _GENERATION_TAG = re.compile(r"\{%(-?)\s*(end)?generation\s*(-?)%\}")
 _SPAN_OPEN, _SPAN_CLOSE = "\ue010", "\ue011"
 _SENTINELS = re.compile(f"([{_SPAN_OPEN}{_SPAN_CLOSE}])")
+
+
+def generation_targets(conversation: Conversation, mode: str) -> tuple[int, ...]:
+    """The turns ``generate.mode`` regenerates, as message positions (``len(messages)``: one
+    appended after a final user or tool turn): last_turn the final one, all_turns every one."""
+    messages = conversation.messages
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    ends_open = not messages or messages[-1]["role"] != "assistant"
+    if mode == "last_turn":
+        return (len(messages),) if ends_open else (assistants[-1],)
+    return (*assistants, *((len(messages),) if ends_open else ()))
 
 
 @functools.lru_cache(maxsize=8)

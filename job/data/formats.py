@@ -203,8 +203,6 @@ def _parse_sharegpt(value: dict[str, Any]) -> Conversation:
 
 
 def _conversation(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Conversation:
-    if not any(m["role"] == "assistant" for m in messages):
-        raise SampleRejected("no assistant turn: nothing to train on")
     return Conversation(messages, tools)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing import get_context
 from typing import Any
 
-from job.data.encode import EncodedSample, EncoderSpec, RejectedSample, SampleEncoder
+from job.data.encode import EncodedSample, EncoderSpec, GenerationStart, RejectedSample, SampleEncoder
 from job.data.source import MAX_ID_BYTES, Record
 
 CHUNK = 32
@@ -48,7 +48,7 @@ def _init_worker(spec: EncoderSpec) -> None:
 
 def _encode_chunk(
     chunk: list[tuple[str, dict[str, Any] | None, str | None]],
-) -> list[EncodedSample | RejectedSample]:
+) -> list[EncodedSample | RejectedSample | GenerationStart]:
     assert _worker_encoder is not None
     return [_worker_encoder.encode(*item) for item in chunk]
 
@@ -97,15 +97,16 @@ class EncodedStream:
                 self._queue.get(timeout=0.1)
         self._thread.join()
 
-    def accepted(self, on_rejected: Callable[[str, str], None]) -> Iterator[EncodedSample]:
-        """The encoded samples; each rejected one goes to ``on_rejected(sample_id, reason)``."""
+    def accepted(self, on_rejected: Callable[[str, str], None]) -> Iterator[EncodedSample | GenerationStart]:
+        """The encoded samples (or conversations to regenerate); each rejected one goes to
+        ``on_rejected(sample_id, reason)``."""
         for item in self:
             if isinstance(item, RejectedSample):
                 on_rejected(item.sample_id, item.reason)
             else:
                 yield item
 
-    def __iter__(self) -> Iterator[EncodedSample | RejectedSample]:
+    def __iter__(self) -> Iterator[EncodedSample | RejectedSample | GenerationStart]:
         while True:
             item = self._queue.get()
             if item is _DONE:

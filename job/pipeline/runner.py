@@ -14,10 +14,12 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from job.backends import Backend, create_backend
+from job.backends import Backend, Completion, create_backend
+from job.data.encode import SampleEncoder
 from job.data.source import log_skipped, read_records
 from job.data.stream import EncodedStream
 from job.errors import ConfigError, JobError, Terminated
+from job.generate.stage import Regenerator
 from job.layout import REJECTED, log_name
 from job.logs import get_logger, log_file
 from job.pipeline.commit import Committer
@@ -62,6 +64,7 @@ class _Wiring:
     committer: Committer
     rejections: Rejections
     progress: Progress
+    regenerator: Regenerator | None
 
 
 class IndexRun:
@@ -146,6 +149,7 @@ class IndexRun:
             cleanup.callback(backend.close)
         manifest.backend = backend.info
         manifest.run_ids.append(self.run_id)
+        regenerator = self._regenerator(backend)
         context = ShardContext(
             len(setup.layer_ids),
             setup.model.hidden_size,
@@ -154,7 +158,14 @@ class IndexRun:
         )
         uploads = 1 if self.store.staging_is_output else settings.output.parallel_uploads
         committer = Committer(
-            self.store, manifest, self.resumed.version, context, rejections.add, self.log, workers=uploads
+            self.store,
+            manifest,
+            self.resumed.version,
+            context,
+            rejections.add,
+            self.log,
+            workers=uploads,
+            regenerated=None if regenerator is None else regenerator.take_records,
         )
         cleanup.callback(self._close_committer_if_failed, committer)
         committer.write_manifest()
@@ -165,10 +176,40 @@ class IndexRun:
         planner = ShardPlanner(
             int(settings.output.shard_bytes), setup.bytes_per_token, self.resumed.next_shard_number
         )
-        inputs = BackendFeed(stream.accepted(rejections.add), planner, writer, self.store, self.stop)
+        inputs = BackendFeed(
+            stream.accepted(rejections.add),
+            planner,
+            writer,
+            self.store,
+            self.stop,
+            regenerator,
+            rejections.add,
+        )
         progress = Progress(self.log, settings.log.progress_interval_s)
         cleanup.callback(progress.close)
-        return _Wiring(stream, backend, inputs, writer, router, committer, rejections, progress)
+        return _Wiring(stream, backend, inputs, writer, router, committer, rejections, progress, regenerator)
+
+    def _regenerator(self, backend: Backend) -> Regenerator | None:
+        """generate.mode other than keep: the stage that has the backend write the turns first."""
+        setup = self.setup
+        if setup.sampling is None:
+            return None
+        generate, data = setup.settings.generate, setup.settings.data
+        self.log.info(
+            "generation_configured",
+            mode=generate.mode,
+            sources=setup.sampling.sources,
+            **setup.sampling.record(),
+        )
+        return Regenerator(
+            SampleEncoder(setup.encoder),
+            setup.sampling,
+            generate.mode,
+            data.max_length,
+            data.reasoning_in_loss,
+            generate.on_length,
+            max_active=backend.concurrent_requests,
+        )
 
     def _check_rejections(self, w: _Wiring, records: int, owned: int) -> None:
         """A run that wrote nothing, or rejected more than data.max_rejected_fraction, stops with exit
@@ -214,8 +255,12 @@ class IndexRun:
         """Run the backend over every input; returns its seconds (to its last rows)."""
         started = time.monotonic()
         input_bytes = max(sum(f.size for f in self.setup.files), 1)
-        for chunk in w.backend.extract(iter(w.inputs)):
-            w.router(chunk)
+        for item in w.backend.extract(iter(w.inputs)):
+            if isinstance(item, Completion):
+                assert w.regenerator is not None
+                w.regenerator.complete(item)
+            else:
+                w.router(item)
             w.progress.maybe_report(
                 Snapshot(
                     extracted_tokens=w.router.tokens,
@@ -225,6 +270,7 @@ class IndexRun:
                     all_planned=w.inputs.all_planned,
                     written=w.committer.committed_samples,
                     rejected=w.rejections.count,
+                    generated_tokens=0 if w.regenerator is None else w.regenerator.generated_tokens,
                 )
             )
             for error in (w.router.error, w.committer.error):
@@ -285,6 +331,8 @@ class IndexRun:
             "bytes_written": sum(s.bytes for s in manifest.shards),
             "direct_io_bytes": w.committer.direct_io_bytes,
         }
+        if manifest.generation is not None:  # over every run of the index, like "written"
+            totals["generation"] = manifest.generation.model_dump()
         self.log.info("run_finished", **totals)
         totals["summary"] = (
             f"done: index {self.setup.settings.work.index} complete at {self.store.location}: "

@@ -9,9 +9,10 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from job.data.encode import EncoderSpec, read_chat_template
+from job.data.encode import EncoderSpec, SampleEncoder, read_chat_template
 from job.data.source import InputFile, SkippedInput, data_fingerprint, scan_input
 from job.errors import ConfigError
+from job.generate.sampling import Sampling, resolve_sampling
 from job.hidden_dtype import HiddenDtype, stored_dtype
 from job.manifest import Identity
 from job.model import LAYER_CONVENTION, ModelInfo, resolve_model
@@ -55,6 +56,7 @@ class RunSetup:
     identity: Identity
     files: list[InputFile]
     skipped: list[SkippedInput]  # in the data directory, not read (logged by the run)
+    sampling: Sampling | None  # generate.mode other than keep: how turns are sampled
 
     @property
     def bytes_per_token(self) -> int:
@@ -63,7 +65,7 @@ class RunSetup:
     def shard_metadata(self, backend_info: dict[str, object], run_id: str) -> dict[str, str]:
         """What every shard of this run records about its origin (format.py lists the keys)."""
         model = self.model
-        return {
+        metadata = {
             "layer_ids": json.dumps(self.layer_ids),
             "layer_convention": LAYER_CONVENTION,
             "final_layer_prenorm": "true",
@@ -82,6 +84,9 @@ class RunSetup:
             "work_count": str(self.identity.work_count),
             "run_id": run_id,
         }
+        if self.identity.generation is not None:  # the turns were regenerated, like this
+            metadata["generation"] = json.dumps(self.identity.generation)
+        return metadata
 
 
 def _vllm_installed() -> bool:
@@ -142,7 +147,12 @@ def prepare_run(settings: JobSettings) -> RunSetup:
         vocab_size=model.vocab_size,
         reasoning_in_loss=settings.data.reasoning_in_loss,
         trust_remote_code=settings.model.trust_remote_code,
+        generate_mode=settings.generate.mode,
     )
+    sampling = None
+    if settings.generate.mode != "keep":
+        eos = SampleEncoder(encoder).tokenizer.eos_token_id
+        sampling = resolve_sampling(settings.generate, model.path, eos)
     identity = Identity(
         model_config_hash=model.config_hash,
         layer_ids=layer_ids,
@@ -152,8 +162,13 @@ def prepare_run(settings: JobSettings) -> RunSetup:
         max_length=settings.data.max_length,
         too_long=settings.data.too_long,
         reasoning_in_loss=settings.data.reasoning_in_loss,
+        generation=None
+        if sampling is None
+        else {"mode": settings.generate.mode, "on_length": settings.generate.on_length, **sampling.record()},
         tokenizer_fingerprint=tokenizer_fingerprint(model, template),
         work_index=settings.work.index,
         work_count=settings.work.count,
     )
-    return RunSetup(settings, model, layer_ids, dtype, encoder, identity, listing.files, listing.skipped)
+    return RunSetup(
+        settings, model, layer_ids, dtype, encoder, identity, listing.files, listing.skipped, sampling
+    )
