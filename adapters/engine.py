@@ -20,11 +20,14 @@ PINNED_ENGINE_ARGS = {
 CAPTURE_CONFIG_KEY = "eagle3_extract_capture"
 
 
-def build_engine_config(engine_kwargs: dict[str, Any], capture: dict[str, Any]) -> Any:
+def build_engine_config(engine_kwargs: dict[str, Any], capture: dict[str, Any], generating: bool) -> Any:
     """EngineArgs -> VllmConfig with the pinned arguments and the capture's compile-cache key;
-    a clash or vLLM's refusal is a ConfigError naming backend.vllm.engine_args."""
-    from vllm.engine.arg_utils import EngineArgs
+    a clash or vLLM's refusal is a ConfigError naming backend.vllm.engine_args.
 
+    ``generating`` on a CPU build: whole prompts per step (no chunked prefill, a token budget of
+    at least max_model_len). vLLM rewinds a seeded request's generator after a partial prefill
+    (``Generator.set_offset``), which CPU generators do not have ("CPU Generator does not use
+    offset"), and generation requests are seeded."""
     clashes = {
         k: v for k, v in engine_kwargs.items() if k in PINNED_ENGINE_ARGS and PINNED_ENGINE_ARGS[k] != v
     }
@@ -38,15 +41,26 @@ def build_engine_config(engine_kwargs: dict[str, Any], capture: dict[str, Any]) 
         )
     additional[CAPTURE_CONFIG_KEY] = capture
     pinned = {**engine_kwargs, **PINNED_ENGINE_ARGS, "additional_config": additional}
-    try:
-        vllm_config = EngineArgs(**pinned).create_engine_config()
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"backend.vllm: vLLM rejected the engine arguments: {exc}") from None
+    vllm_config = _create(pinned)
+    if generating and vllm_config.device_config.device_type == "cpu":
+        budget = max(
+            vllm_config.scheduler_config.max_num_batched_tokens, vllm_config.model_config.max_model_len
+        )
+        vllm_config = _create({**pinned, "enable_chunked_prefill": False, "max_num_batched_tokens": budget})
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         raise ConfigError(
             "backend.vllm.engine_args: pipeline_parallel_size must be 1 (use tensor parallelism)"
         )
     return vllm_config
+
+
+def _create(engine_kwargs: dict[str, Any]) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        return EngineArgs(**engine_kwargs).create_engine_config()
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"backend.vllm: vLLM rejected the engine arguments: {exc}") from None
 
 
 def start_executor(vllm_config: Any) -> Any:

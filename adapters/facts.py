@@ -44,3 +44,6 @@ class VllmFacts(BaseModel):
     # Capture under compilation and CUDA graphs (aux outputs + taps) has been verified on this
     # line; where not, backend.vllm.enforce_eager must be true.
     compiled_capture: bool
+    # The CPU sampler uses per-request seeds only when every request of the batch has one (else
+    # one unseeded draw for all); 0.33 draws per request. GPU samplers always honour them.
+    cpu_sampler_seeds_whole_batches_only: bool

@@ -33,10 +33,12 @@ class AdapterSet:
     versions: SpecifierSet
     facts: VllmFacts
 
-    def engine_config(self, engine_kwargs: dict[str, Any], capture: dict[str, Any]) -> Any:
+    def engine_config(
+        self, engine_kwargs: dict[str, Any], capture: dict[str, Any], generating: bool = False
+    ) -> Any:
         """The VllmConfig for these EngineArgs, with what capture needs pinned and ``capture`` (its
-        mode and layers) in the compile-cache key."""
-        return engine.build_engine_config(engine_kwargs, capture)
+        mode and layers) in the compile-cache key; ``generating``: the run samples seeded turns."""
+        return engine.build_engine_config(engine_kwargs, capture, generating)
 
     def start_executor(self, vllm_config: Any) -> Any:
         return engine.start_executor(vllm_config)

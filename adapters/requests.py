@@ -8,11 +8,31 @@ from typing import Any
 from adapters.facts import VllmFacts
 
 
-def prefill_sampling_params() -> Any:
+def prefill_sampling_params(seeded: bool = False) -> Any:
+    """One token (never used): the request finishes right after its prompt is prefilled. Greedy,
+    or ``seeded`` where a sampler honours per-request seeds only in batches of seeded requests
+    (VllmFacts.cpu_sampler_seeds_whole_batches_only) and generation requests share the batch."""
     from vllm import SamplingParams
 
-    # One greedy token: the request finishes right after its prompt is prefilled.
+    if seeded:
+        return SamplingParams(max_tokens=1, temperature=1.0, seed=0, ignore_eos=True, detokenize=False)
     return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+
+
+def generation_sampling_params(item: Any) -> Any:
+    """One turn's sampling (a job.backends.GenerationInput): its stop tokens end it and are part
+    of its output; no text is produced (token ids only)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=item.max_new_tokens,
+        temperature=item.temperature,
+        top_p=item.top_p,
+        top_k=item.top_k,  # 0: all tokens
+        seed=item.seed if item.temperature > 0 else None,
+        stop_token_ids=list(item.stop_token_ids),
+        detokenize=False,
+    )
 
 
 def build_request(

@@ -197,6 +197,11 @@ def test_the_selected_facts_hold_for_the_installed_vllm() -> None:
     assert ("self.positions = self._make_buffer(" in runner_source) == facts.runner_positions_buffer
     interfaces = (vllm_root / "vllm/model_executor/models/interfaces.py").read_text()
     assert ("class EagleModelMixin" in interfaces) == facts.eagle_model_mixin
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    cpu_sampler = inspect.getsource(TopKTopPSampler.forward_cpu)
+    whole_batches_only = "len(generators) != logits.shape[0]" in cpu_sampler
+    assert whole_batches_only == facts.cpu_sampler_seeds_whole_batches_only
     if facts.kv_cache_setup == "utils_initialize_cache_rpc":
         assert hasattr(kv_cache_utils, "get_kv_cache_configs")
         assert not hasattr(kv_cache_utils, "resolve_kv_cache_block_sizes")

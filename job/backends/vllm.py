@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from adapters import select_adapter_set
-from adapters.requests import prefill_sampling_params
-from job.backends import Backend, BackendInput, HiddenChunk
+from adapters.requests import generation_sampling_params, prefill_sampling_params
+from job.backends import Backend, BackendInput, Completion, GenerationInput, HiddenChunk
 from job.data.source import MAX_ID_BYTES
 from job.errors import ConfigError
 from job.hidden_dtype import HiddenDtype
@@ -32,7 +32,7 @@ from job.logs import get_logger
 from job.model import ModelInfo
 from job.settings import JobSettings
 from job.worker.capture import COMPILED, HOOKS
-from job.worker.ring import Ring, header_bytes
+from job.worker.ring import GENERATION_ID_EXTRA_BYTES, GENERATION_PREFIX, Ring, captured_step, header_bytes
 
 _EXHAUSTED = object()
 STEPS_IN_FLIGHT = 2
@@ -114,9 +114,20 @@ class VllmBackend(Backend):
             "enforce_eager": options.enforce_eager,
             **options.engine_args,
         }
-        vllm_config = self.adapters.engine_config(engine_kwargs, {"mode": mode, "layer_ids": layer_ids})
+        generating = settings.generate.mode != "keep"
+        vllm_config = self.adapters.engine_config(
+            engine_kwargs, {"mode": mode, "layer_ids": layer_ids}, generating
+        )
+        if generating and not vllm_config.scheduler_config.enable_chunked_prefill:
+            self.log.info(
+                "whole_prompts_per_step",
+                reason="seeded generation on a CPU build of vLLM, whose generators cannot rewind "
+                "after a partial prefill",
+                max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            )
         self.vllm_config = vllm_config
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.concurrent_requests = 2 * self.max_num_seqs  # extract() keeps this many admitted
         self.token_budget = vllm_config.scheduler_config.max_num_batched_tokens
         self.executor = self.adapters.start_executor(vllm_config)
         self.ring = Ring.create(
@@ -126,7 +137,7 @@ class VllmBackend(Backend):
             num_layers=len(layer_ids),
             hidden_size=model.hidden_size,
             dtype_name=dtype.name,
-            header_bytes=header_bytes(self.max_num_seqs, MAX_ID_BYTES),
+            header_bytes=header_bytes(self.max_num_seqs, MAX_ID_BYTES + GENERATION_ID_EXTRA_BYTES),
         )
         self._closed = False
         try:
@@ -149,7 +160,12 @@ class VllmBackend(Backend):
         except BaseException:
             self.close()
             raise
-        self.sampling_params = prefill_sampling_params()
+        on_cpu = vllm_config.device_config.device_type == "cpu"
+        self.sampling_params = prefill_sampling_params(
+            seeded=on_cpu and self.adapters.facts.cpu_sampler_seeds_whole_batches_only and generating
+        )
+        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        self._generating: dict[str, tuple[str, list[int]]] = {}  # request id -> (caller's id, tokens)
         # Steps run / steps whose ring slot was read, over the backend's lifetime: the ring's
         # counters run across extract() calls.
         self._executed = self._taken = 0
@@ -162,6 +178,9 @@ class VllmBackend(Backend):
             "chunked_requests": 0,
             "tokens": 0,
             "max_steps_in_flight": 0,
+            "generation_requests": 0,
+            "generated_tokens": 0,
+            "recomputed_rows": 0,
         }
         self.log.info(
             "vllm_ready",
@@ -183,10 +202,12 @@ class VllmBackend(Backend):
             "layer_sources": self.capture_info.get("layer_sources"),
         }
 
-    def extract(self, inputs: Iterator[BackendInput | None]) -> Iterator[HiddenChunk]:
+    def extract(
+        self, inputs: Iterator[BackendInput | GenerationInput | None]
+    ) -> Iterator[HiddenChunk | Completion]:
         source = iter(inputs)
         exhausted = False
-        pending: dict[str, _Pending] = {}
+        pending: dict[str, _Pending] = {}  # extraction requests, by sample id
         unscheduled = 0  # prompt tokens added but not yet scheduled
         # Steps submitted and not yet updated, oldest first: with two in flight the
         # workers run step k while the driver schedules step k+1 (EngineCore's batch
@@ -196,7 +217,9 @@ class VllmBackend(Backend):
         slots = self.ring.spec.slots
         while True:
             while (
-                not exhausted and len(pending) < 2 * self.max_num_seqs and unscheduled < 2 * self.token_budget
+                not exhausted
+                and len(pending) + len(self._generating) < self.concurrent_requests
+                and unscheduled < 2 * self.token_budget
             ):
                 item = next(source, _EXHAUSTED)
                 if item is _EXHAUSTED:
@@ -204,17 +227,11 @@ class VllmBackend(Backend):
                     break
                 if item is None:  # nothing new right now (e.g. staging full): run what is pending
                     break
-                self.scheduler.add_request(
-                    self.adapters.request(
-                        item.sample_id, item.input_ids.tolist(), self.sampling_params, self.block_hasher
-                    )
-                )
-                pending[item.sample_id] = _Pending(item.input_ids)
-                unscheduled += len(item.input_ids)
+                unscheduled += self._admit(item, pending)
             last_was_empty = bool(in_flight) and in_flight[-1][0].total_num_scheduled_tokens == 0
             if (
                 self.scheduler.get_num_unfinished_requests()
-                and len(in_flight) < STEPS_IN_FLIGHT
+                and len(in_flight) < self._steps_in_flight()
                 and not last_was_empty
             ):
                 # The worker takes slot `executed % slots`; make sure the driver let go of it.
@@ -229,21 +246,60 @@ class VllmBackend(Backend):
                 step = self.adapters.submit_step(self.executor, self.scheduler, scheduler_output)
                 in_flight.append((scheduler_output, step))
                 self.stats["max_steps_in_flight"] = max(self.stats["max_steps_in_flight"], len(in_flight))
-                self._executed += scheduled > 0
-                unscheduled -= scheduled
-                if len(in_flight) < STEPS_IN_FLIGHT and scheduled:
+                self._executed += captured_step(scheduler_output.num_scheduled_tokens)
+                unscheduled = max(0, unscheduled - scheduled)
+                if len(in_flight) < self._steps_in_flight() and scheduled:
                     continue
             if not in_flight:
                 if exhausted:
                     break
                 continue
             scheduler_output, step = in_flight.popleft()
-            self.scheduler.update_from_output(scheduler_output, step.result())
+            yield from self._completions(self.scheduler.update_from_output(scheduler_output, step.result()))
             yield from self._take(pending)
         yield from self._drain(pending, lambda: self._taken >= self._executed)
-        if pending:
-            raise RuntimeError(f"{len(pending)} requests finished without all their hidden states")
+        if pending or self._generating:
+            raise RuntimeError(
+                f"{len(pending) + len(self._generating)} requests finished without their output"
+            )
         self.log.info("vllm_extract_finished", steps=self._executed, **self.stats)
+
+    def _steps_in_flight(self) -> int:
+        # vLLM's synchronous scheduler (CPU) has nothing to schedule for a decoding request whose
+        # last token it has not seen: a second step in flight would halve decoding.
+        return 1 if self._generating and not self.async_scheduling else STEPS_IN_FLIGHT
+
+    def _admit(self, item: BackendInput | GenerationInput, pending: dict[str, _Pending]) -> int:
+        """Add one request to the scheduler; returns its prompt tokens."""
+        if isinstance(item, BackendInput):
+            request_id, prompt, params = item.sample_id, item.input_ids, self.sampling_params
+            pending[item.sample_id] = _Pending(item.input_ids)
+        else:
+            request_id, prompt = GENERATION_PREFIX + item.request_id, item.prompt_ids
+            params = generation_sampling_params(item)
+            self._generating[request_id] = (item.request_id, [])
+            self.stats["generation_requests"] += 1
+        self.scheduler.add_request(
+            self.adapters.request(request_id, prompt.tolist(), params, self.block_hasher)
+        )
+        return len(prompt)
+
+    def _completions(self, outputs: dict[int, Any]) -> Iterator[Completion]:
+        """The generation requests' new tokens, from the scheduler's update; a Completion each
+        time one finishes (extraction requests' sampled tokens are of no interest)."""
+        for engine_outputs in outputs.values():
+            for output in engine_outputs.outputs:
+                state = self._generating.get(output.request_id)
+                if state is None:
+                    continue
+                state[1].extend(output.new_token_ids)
+                if output.finish_reason is not None:
+                    del self._generating[output.request_id]
+                    reason = str(output.finish_reason)
+                    if reason not in ("stop", "length"):
+                        raise RuntimeError(f"vLLM ended generation request {state[0]} with {reason!r}")
+                    self.stats["generated_tokens"] += len(state[1])
+                    yield Completion(state[0], state[1], reason)
 
     def _check_worker(self) -> None:
         error = self.ring.worker_error
@@ -260,55 +316,75 @@ class VllmBackend(Backend):
                 time.sleep(0.0005)
 
     def _take(self, pending: dict[str, _Pending]) -> list[HiddenChunk]:
-        """Chunks of every step the worker has published and the driver has not read yet."""
+        """Chunks of every step the worker has published and the driver has not read yet. A
+        step's rows of generation requests are dropped; so are an extraction request's rows it
+        already has (vLLM recomputes a preempted request from its start)."""
         chunks: list[HiddenChunk] = []
-        releases = self._releases
         published = self.ring.published
         while self._taken < published:
             step = self._taken
             header = self.ring.read_header(step)
             slot = self.ring.slots[step % self.ring.spec.slots]
-            releases.hold(step, len(header["reqs"]))
             self.stats["max_requests_per_step"] = max(
                 self.stats["max_requests_per_step"], len(header["reqs"])
             )
             self.stats["tokens"] += header["num_tokens"]
-            positions = slot.positions.numpy()
-            input_ids = slot.input_ids.numpy()
-            finite = slot.finite.numpy()
+            step_chunks: list[HiddenChunk] = []
             offset = 0
-            for sample_id, count in header["reqs"]:
-                state = pending[sample_id]
-                start, stop = state.received, state.received + count
-                a, b = offset, offset + count
-                if not (
-                    np.array_equal(positions[a:b], np.arange(start, stop))
-                    and np.array_equal(input_ids[a:b], state.input_ids[start:stop])
-                ):
+            for request_id, count in header["reqs"]:
+                if request_id in pending:
+                    chunk = self._rows(step, slot, pending, request_id, offset, count)
+                    if chunk is not None:
+                        step_chunks.append(chunk)
+                elif not request_id.startswith(GENERATION_PREFIX):
                     raise RuntimeError(
-                        f"capture misaligned for sample {sample_id} at step {step}: tokens {start}..{stop} "
-                        "do not match the step's input ids/positions"
+                        f"capture: step {step} holds rows of request {request_id}, which is not pending"
                     )
-                state.received = stop
-                last = stop == len(state.input_ids)
-                if start == 0 and not last:
-                    self.stats["chunked_requests"] += 1
-                if last:
-                    del pending[sample_id]
-                chunks.append(
-                    HiddenChunk(
-                        sample_id=sample_id,
-                        start=start,
-                        rows=slot.rows[a:b],
-                        scales=None if slot.scales is None else slot.scales[a:b],
-                        last=last,
-                        nonfinite=not bool(finite[a:b].all()),
-                        release=lambda step=step: releases.release(step),
-                    )
-                )
-                offset = b
+                offset += count
+            self._releases.hold(step, len(step_chunks))
+            chunks.extend(step_chunks)
             self._taken += 1
         return chunks
+
+    def _rows(
+        self, step: int, slot: Any, pending: dict[str, _Pending], sample_id: str, offset: int, count: int
+    ) -> HiddenChunk | None:
+        """One extraction request's rows of a step, checked against its own ids and positions."""
+        state = pending[sample_id]
+        a, b = offset, offset + count
+        positions = slot.positions.numpy()[a:b]
+        first = int(positions[0]) if count else state.received
+        if not (
+            first <= state.received
+            and np.array_equal(positions, np.arange(first, first + count))
+            and np.array_equal(slot.input_ids.numpy()[a:b], state.input_ids[first : first + count])
+        ):
+            raise RuntimeError(
+                f"capture misaligned for sample {sample_id} at step {step}: tokens {first}..{first + count} "
+                f"(after {state.received} received) do not match the step's input ids/positions"
+            )
+        if first < state.received:  # recomputed after a preemption: keep only the rows that are new
+            self.stats["recomputed_rows"] += min(count, state.received - first)
+            a += state.received - first
+        start, stop = state.received, first + count
+        if stop <= start:
+            return None
+        state.received = stop
+        last = stop == len(state.input_ids)
+        if start == 0 and not last:
+            self.stats["chunked_requests"] += 1
+        if last:
+            del pending[sample_id]
+        releases = self._releases
+        return HiddenChunk(
+            sample_id=sample_id,
+            start=start,
+            rows=slot.rows[a:b],
+            scales=None if slot.scales is None else slot.scales[a:b],
+            last=last,
+            nonfinite=not bool(slot.finite.numpy()[a:b].all()),
+            release=lambda: releases.release(step),
+        )
 
     def close(self) -> None:
         if self._closed:

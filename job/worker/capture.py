@@ -31,7 +31,7 @@ import torch
 
 from adapters import AdapterSet
 from job.hidden_dtype import HiddenDtype
-from job.worker.ring import Ring, RingSpec
+from job.worker.ring import Ring, RingSpec, captured_step
 
 SLOT_WAIT_S = 1800.0
 HOOKS, COMPILED = "hooks", "compiled"
@@ -227,7 +227,7 @@ class StepCapture:
     # step bracketing -------------------------------------------------------------
     def _execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         n = scheduler_output.total_num_scheduled_tokens
-        if n == 0 or not self.armed:
+        if not (self.armed and captured_step(scheduler_output.num_scheduled_tokens)):
             return self._original_execute_model(scheduler_output, *args, **kwargs)
         if n > self.spec.max_tokens:
             raise RuntimeError(f"step of {n} tokens exceeds the capture buffer ({self.spec.max_tokens})")

@@ -41,6 +41,21 @@ def _align(n: int, to: int = 4096) -> int:
     return (n + to - 1) // to * to
 
 
+# Generation requests' ids begin with this (sample ids cannot: it is a control character). A step
+# is captured and published only when it schedules an extraction request: the driver counts the
+# steps it expects the same way.
+GENERATION_PREFIX = "\x1fgen:"
+# A generation request id is the prefix, the sample id, "#" and the turn number.
+GENERATION_ID_EXTRA_BYTES = len(GENERATION_PREFIX) + 8
+
+
+def captured_step(scheduled: dict[str, int]) -> bool:
+    """Whether the worker ships a step that scheduled ``scheduled`` (request id -> tokens)."""
+    return any(
+        count and not request_id.startswith(GENERATION_PREFIX) for request_id, count in scheduled.items()
+    )
+
+
 def header_bytes(max_requests: int, max_request_id_bytes: int) -> int:
     """Room for one step's header: every request's id (JSON-escaped, up to 6 bytes a byte) and count."""
     return 4096 + max_requests * (_HEADER_BYTES_PER_REQUEST + 6 * max_request_id_bytes)
