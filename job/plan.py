@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from job.data.encode import EncodedSample
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from job.data.encode import EncodedSample, GenerationStart, RejectedSample, SampleEncoder
 from job.data.source import read_records
 from job.data.stream import EncodedStream
 from job.pipeline.setup import RunSetup, prepare_run
@@ -12,6 +17,11 @@ from job.shards.planner import ShardPlanner
 # Measured on one H200, vLLM 0.26, Llama-3.1-8B shape, shards to local disk (docs/benchmarks.md,
 # run 20261129T124456Z): the basis of the rough wall-time estimate.
 MEASURED_TOK_PER_S = 39_773
+# The job's generation rate, same machine and shape (docs/benchmarks.md, regenerate_generation,
+# run 20261201T152220Z): 200 prompts, max_new_tokens 512, temperature 0.7, max_num_seqs 128.
+# Decoding is bound by weight reads per step, so the rate also follows the number of sequences
+# decoded together: an estimate for the default max_num_seqs.
+MEASURED_GENERATED_TOK_PER_S = 8_244
 # Plain prefill at TP=2 over 2 x TP=1, same shape (runs 20261129T130311Z and 20261129T124456Z).
 TP2_SCALING_EFFICIENCY = 0.85
 # Scaling by parameters assumes prefill is compute-bound; small models are bound by per-step
@@ -62,9 +72,13 @@ def plan_index(settings: JobSettings) -> str:
         prefetch=settings.data.prefetch_samples,
     )
     planner = ShardPlanner(int(settings.output.shard_bytes), setup.bytes_per_token, 0)
+    generation = _GenerationGuess(setup) if setup.sampling is not None else None
     samples = tokens = truncated = rejected = shards = 0
     try:
         for item in stream:
+            if isinstance(item, GenerationStart):
+                assert generation is not None
+                item = generation.add(item)
             if not isinstance(item, EncodedSample):
                 rejected += 1
                 continue
@@ -97,8 +111,56 @@ def plan_index(settings: JobSettings) -> str:
         ("shards", f"{shards} of about {_human(int(settings.output.shard_bytes))}"),
         ("estimated time", _estimate(tokens, model.config, settings.backend.tensor_parallel_size)),
     ]
+    if generation is not None:
+        rows[5:5] = generation.rows()
+        tp = settings.backend.tensor_parallel_size
+        rows.append(("generation time", _estimate(generation.guessed, model.config, tp, generated=True)))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+class _GenerationGuess:
+    """What regeneration will generate, guessed before any model runs: each turn as long as the
+    data's own answer (capped at generate.max_new_tokens), a turn appended after a final user
+    turn at max_new_tokens; the sample is then the data's conversation so encoded."""
+
+    def __init__(self, setup: RunSetup) -> None:
+        assert setup.sampling is not None
+        self.encoder = SampleEncoder(replace(setup.encoder, generate_mode="keep"))
+        self.max_new_tokens = setup.sampling.max_new_tokens
+        self.max_length = setup.settings.data.max_length
+        self.conversations = self.turns = self.guessed = self.most = 0
+
+    def add(self, start: GenerationStart) -> EncodedSample | RejectedSample:
+        messages = start.conversation.messages
+        turns = [min(self._answer_tokens(messages, t), self.max_new_tokens) for t in start.targets]
+        self.conversations += 1
+        self.turns += len(turns)
+        self.guessed += sum(turns)
+        self.most += len(turns) * self.max_new_tokens
+        kept = [m for i, m in enumerate(messages) if i not in start.targets or m["role"] != "assistant"]
+        context = len(
+            self.encoder.tokenize(self.encoder.render(kept, start.conversation.tools, generation_prompt=True))
+        )
+        total = context + sum(turns)
+        ids = np.zeros(min(total, self.max_length), np.int32)
+        return EncodedSample(start.sample_id, ids, np.ones_like(ids, np.uint8), total > self.max_length)
+
+    def _answer_tokens(self, messages: list[dict[str, Any]], target: int) -> int:
+        if target >= len(messages):
+            return self.max_new_tokens
+        content = messages[target].get("content")
+        return len(self.encoder.tokenize(content)) + 1 if isinstance(content, str) else self.max_new_tokens
+
+    def rows(self) -> list[tuple[str, str]]:
+        return [
+            ("conversations", f"{self.conversations} to regenerate ({self.turns} turns)"),
+            (
+                "generated tokens",
+                f"about {self.guessed} (the data's answers as a guess) up to {self.most} "
+                "(every turn at generate.max_new_tokens)",
+            ),
+        ]
 
 
 def _files_row(setup: RunSetup) -> str:
@@ -110,20 +172,22 @@ def _files_row(setup: RunSetup) -> str:
     return row
 
 
-def _estimate(tokens: int, config: dict, tensor_parallel_size: int) -> str:
-    """A rough extraction time: the measured 8B rate scaled by parameters per token.
+def _estimate(tokens: int, config: dict, tensor_parallel_size: int, generated: bool = False) -> str:
+    """A rough extraction (``generated``: generation) time: the measured 8B rate scaled by
+    parameters per token.
 
     TP > 1 counts one GPU's rate times the GPU count times the efficiency measured
     at TP=2 (larger TP was not measured), and assumes the output keeps up."""
     from job.bench import LLAMA_3_1_8B
 
+    measured = MEASURED_GENERATED_TOK_PER_S if generated else MEASURED_TOK_PER_S
     scale = active_params(LLAMA_3_1_8B) / active_params(config)
     if scale > MAX_SCALE_UP:
         return (
             f"none: {scale:,.0f}x fewer parameters per token than the measured Llama-3.1-8B, and a model "
             "this small is not compute-bound: time a short run on a slice of the data instead"
         )
-    rate = MEASURED_TOK_PER_S * scale
+    rate = measured * scale
     if tensor_parallel_size > 1:
         rate *= tensor_parallel_size * TP2_SCALING_EFFICIENCY
     return (

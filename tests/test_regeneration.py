@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -299,6 +300,21 @@ def test_a_regenerated_run_lists_its_sidecars_and_counts(regenerated_run: tuple[
     assert totals["generated_tokens"] == sum(int(s.loss_mask.sum()) for s in samples.values())
     shard = Shard(index_dir / manifest["shards"][0]["name"])
     assert json.loads(shard.metadata["generation"]) == generation
+
+
+def test_plan_counts_the_turns_and_bounds_the_tokens_the_run_generated(
+    regenerated_run: tuple[Path, Path], run_job: Callable[..., Any]
+) -> None:
+    data, index_dir = regenerated_run
+    result = run_job("plan", f"--data.path={data}", *GENERATE_ARGS)
+    assert result.rc == 0, result.describe()
+    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in result.stdout.splitlines() if line.strip())
+    totals = json.loads((index_dir / "manifest.json").read_text())["generation"]
+    assert rows["conversations"] == f"24 to regenerate ({totals['turns']} turns)"
+    guess, most = (int(n) for n in re.findall(r"about (\d+) .* up to (\d+)", rows["generated tokens"])[0])
+    assert totals["generated_tokens"] <= most == totals["turns"] * 12
+    assert 0 < guess <= most
+    assert "generation time" in rows
 
 
 def test_inspect_verifies_sidecars_and_finds_a_damaged_one(
