@@ -9,7 +9,10 @@ adapter restructuring (commit b1f73d5) and must survive any refactoring; a delib
 format or fingerprint change updates them in the same commit, saying why. Updated once
 since: the data fingerprint covers file contents and the identity records
 data.reasoning_in_loss (shard data bytes unchanged; headers and manifest equal to the
-recorded ones with the old fingerprint put back).
+recorded ones with the old fingerprint put back). Updated again for regeneration: the manifest
+gained `generation` (run totals), `identity.generation` and each shard entry's `regenerated`,
+all null for a run that keeps the data's turns (shard bytes unchanged; the manifest equal to
+the recorded one with those three keys removed).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ RUN_SPECIFIC = {"run_id", "model_path", "model_name", "run_ids", "updated_at"}
 EXPECTED = {
     "model": {
         "files": {
-            "manifest.json": "9bf3124b06d1ece4",
+            "manifest.json": "6beb38e934e0ee6e",
             "rejected.jsonl": "f177ff369ede098e",
             "shard-00000.safetensors": {"header": "63edcdd142020a68", "data": "4f95e9afa0e82ff4"},
             "shard-00001.safetensors": {"header": "c2a443bfa5ca4d68", "data": "2c88e998bf422fb1"},
@@ -51,7 +54,7 @@ EXPECTED = {
     },
     "fp8_e4m3": {
         "files": {
-            "manifest.json": "aa9e20b29d3e08c2",
+            "manifest.json": "4f8375829436e323",
             "rejected.jsonl": "f177ff369ede098e",
             "shard-00000.safetensors": {"header": "7692a78568c8858c", "data": "542adbf290ccc89c"},
             "shard-00001.safetensors": {"header": "b2797e280c33f0b6", "data": "54aa97a23462070e"},
