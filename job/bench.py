@@ -11,6 +11,13 @@ memory are its own):
   capture unless ``--job-eager``;
 * ``native`` vLLM's ``extract_hidden_states`` + ``ExampleHiddenStatesConnector``;
 * ``hf``     the HF reference backend, batch 1, on fewer prompts;
+* ``regenerate``  generation (generate.mode last_turn, ``--max-new-tokens``, temperature
+  ``--temperature``, seeded per request): the job's vLLM backend generating alone
+  (``regenerate_generation``), then ``python -m job run`` generating and extracting on the same
+  engine (``regenerate_job``); ``regenerate_plain``: ``LLM.generate`` with the same prompts and
+  sampling, seeded as the job seeds (``plain_generate``) and unseeded, then plain prefill of the
+  regenerated sequences (``plain_prefill_regenerated``: the second stage done the peers' way),
+  and the engine's load time;
 * ``write``  no GPU: ``python -m job run``'s pipeline fed rows from memory as fast
   as it takes them (local disk; ``write_shm``: /dev/shm; ``write_s3``: ``--s3-uri``, staged
   on /dev/shm), the write path's ceiling; ``--write-to`` picks the targets.
@@ -185,6 +192,14 @@ MODELS: dict[str, dict[str, Any] | None] = {
 }
 RESULT_TAG = "BENCH_RESULT "
 NO_GPU_CONFIGS = ("write", "write_shm", "write_s3")  # the write path alone: no ratio to plain, not plotted
+# Generation: their ratios are to plain_generate (_generation_ratios); not plotted.
+GENERATION_CONFIGS = (
+    "regenerate_generation",
+    "regenerate_job",
+    "plain_generate",
+    "plain_generate_unseeded",
+    "plain_prefill_regenerated",
+)
 
 
 def main(argv: list[str]) -> int:
@@ -197,6 +212,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--long-prompts", type=int, default=2, help="prompts of --long-tokens (0: none)")
     ap.add_argument("--long-tokens", type=int, default=32768)
     ap.add_argument("--hf-prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=512, help="regenerate: tokens per turn")
+    ap.add_argument("--temperature", type=float, default=0.7, help="regenerate: sampling temperature")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.7)
@@ -331,10 +348,28 @@ def _orchestrate(args: argparse.Namespace, argv: list[str]) -> int:
         rows.extend(new)
     plain = {r["prompts"]: r["tok_per_s"] for r in rows if r["config"] == "plain"}
     for row in rows:
-        base = None if row["config"] in NO_GPU_CONFIGS else plain.get(row["prompts"])
+        base = None if row["config"] in (*NO_GPU_CONFIGS, *GENERATION_CONFIGS) else plain.get(row["prompts"])
         row["ratio_to_plain"] = round(row["tok_per_s"] / base, 3) if base else None
+    _generation_ratios(rows)
     _report(args, rows, disk, run_id, argv)
     return 0 if rows else 1
+
+
+def _generation_ratios(rows: list[dict[str, Any]]) -> None:
+    """Generation rows against ``plain_generate`` (tok/s of generated tokens); the job generating
+    and extracting against the same two stages done apart on a loaded engine (their seconds)."""
+    by_config = {r["config"]: r for r in rows if r["config"] in GENERATION_CONFIGS}
+    plain = by_config.get("plain_generate")
+    if plain is None:
+        return
+    for config in ("regenerate_generation", "plain_generate_unseeded"):
+        if config in by_config:
+            by_config[config]["ratio_to_plain"] = round(
+                by_config[config]["tok_per_s"] / plain["tok_per_s"], 3
+            )
+    job, prefill = by_config.get("regenerate_job"), by_config.get("plain_prefill_regenerated")
+    if job is not None and prefill is not None:
+        job["ratio_to_plain"] = round((plain["seconds"] + prefill["seconds"]) / job["seconds"], 3)
 
 
 def _environment(tensor_parallel_size: int) -> dict[str, Any]:
@@ -435,7 +470,8 @@ def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     main = [
         r
         for r in rows
-        if r["prompts"] == max(x["prompts"] for x in rows) and r["config"] not in NO_GPU_CONFIGS
+        if r["prompts"] == max(x["prompts"] for x in rows)
+        and r["config"] not in (*NO_GPU_CONFIGS, *GENERATION_CONFIGS)
     ]
     fig, ax = plt.subplots(figsize=(8, 4))
     bars = ax.bar([r["config"] for r in main], [r["tok_per_s"] for r in main], color="#4a78b5")
@@ -507,10 +543,20 @@ def _engine_kwargs(args: argparse.Namespace, model_dir: Path, dummy: bool, eager
     return kwargs
 
 
-def _row(config: str, prompts: list[np.ndarray], seconds: float, **extra: Any) -> dict[str, Any]:
-    tokens = int(sum(len(p) for p in prompts))
+def _row(
+    config: str,
+    prompts: list[np.ndarray],
+    seconds: float,
+    compiled: bool | None,
+    tokens: int | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """``tokens``: what tok_per_s counts, the prompts' tokens unless given (generated ones);
+    ``compiled``: vLLM's default compilation and CUDA graphs (None: no vLLM engine)."""
+    tokens = int(sum(len(p) for p in prompts)) if tokens is None else tokens
     return {
         "config": config,
+        "compiled": compiled,
         "prompts": len(prompts),
         "tokens": tokens,
         "seconds": round(seconds, 3),
@@ -521,7 +567,9 @@ def _row(config: str, prompts: list[np.ndarray], seconds: float, **extra: Any) -
     }
 
 
-def _job_row(config: str, prompts: list[np.ndarray], totals: dict[str, Any], notes: str) -> dict[str, Any]:
+def _job_row(
+    config: str, prompts: list[np.ndarray], totals: dict[str, Any], notes: str, compiled: bool
+) -> dict[str, Any]:
     """A row for one ``run_job``, timed from the backend being ready to the last
     shard committed; ``tail_seconds`` is the part after the backend's last rows."""
     seconds = totals["extract_seconds"]
@@ -529,6 +577,7 @@ def _job_row(config: str, prompts: list[np.ndarray], totals: dict[str, Any], not
         config,
         prompts,
         seconds,
+        compiled,
         gb_per_s=round(totals["bytes_written"] / seconds / 1e9, 2),
         bytes_written=totals["bytes_written"],
         shards=totals["shards"],
@@ -559,10 +608,10 @@ def _plain(args: argparse.Namespace, eager: bool) -> dict[str, Any]:
     llm = LLM(**_engine_kwargs(args, model_dir, dummy, eager))
     _generate(llm, regular[:8])
     mode = "eager" if eager else "default compilation and CUDA graphs"
-    rows = [_row(config, regular, _generate(llm, regular)[0], notes=mode)]
+    rows = [_row(config, regular, _generate(llm, regular)[0], not eager, notes=mode)]
     if long:
         notes = f"{args.long_tokens}-token prompts, {mode}"
-        rows.append(_row(config, long, _generate(llm, long)[0], notes=notes))
+        rows.append(_row(config, long, _generate(llm, long)[0], not eager, notes=notes))
     return {"rows": rows}
 
 
@@ -616,6 +665,7 @@ def _worker_native(args: argparse.Namespace) -> dict[str, Any]:
         "native",
         regular,
         seconds,
+        False,
         gb_per_s=round(written / seconds / 1e9, 2),
         bytes_written=written,
         notes=f"layers {layers}, per-request files, time includes the last file's write",
@@ -651,7 +701,9 @@ def _worker_hf(args: argparse.Namespace) -> dict[str, Any]:
     if device == "cuda":
         torch.cuda.synchronize()
     return {
-        "rows": [_row("hf", prompts, time.perf_counter() - start, notes="batch 1, states copied to host")]
+        "rows": [
+            _row("hf", prompts, time.perf_counter() - start, None, notes="batch 1, states copied to host")
+        ]
     }
 
 
@@ -709,7 +761,9 @@ def _worker_write(args: argparse.Namespace) -> dict[str, Any]:
         settings = _job_settings(args, model_dir, dummy, work / "prompts.jsonl", out)
         configure_logging(settings.log)
         totals = run_job(settings, backend)
-        rows.append(_job_row(config_name, regular, totals, f"no GPU: rows from memory; shards on {root}"))
+        rows.append(
+            _job_row(config_name, regular, totals, f"no GPU: rows from memory; shards on {root}", None)
+        )
         shutil.rmtree(out, ignore_errors=True)
     return {"rows": rows}
 
@@ -761,6 +815,7 @@ def _write_s3(
         "no GPU: rows from memory; shards staged on {}, uploaded to {} ({})".format(
             staging, args.s3_uri, ", ".join(f"{k} {v}" for k, v in tuning.items())
         ),
+        None,
     )
     gb = totals["bytes_written"] / 1e9
     row.update(
@@ -790,7 +845,8 @@ def _job_settings(
             f"--data.path={data}",
             "--data.format=tokenized",
             "--data.tokenizer_workers=0",  # pre-tokenized: no tokenizer processes to start
-            f"--data.max_length={min(max_length, positions) if positions else max_length}",
+            # vLLM samples one token after the prompt: it must fit the model's positions too
+            f"--data.max_length={min(max_length, positions - 1) if positions else max_length}",
             "--backend.name=vllm",
             f"--backend.vllm.enforce_eager={args.job_eager}",
             f"--backend.tensor_parallel_size={args.tensor_parallel_size}",
@@ -936,7 +992,16 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     for chunk in backend.extract(BackendInput(str(i), p) for i, p in enumerate(regular)):
         if chunk.release is not None:
             chunk.release()
-    rows = [_row("null", regular, time.perf_counter() - start, notes="capture + copy to host, rows dropped")]
+    compiled = not args.job_eager
+    rows = [
+        _row(
+            "null",
+            regular,
+            time.perf_counter() - start,
+            compiled,
+            notes="capture + copy to host, rows dropped",
+        )
+    ]
 
     for config, root in (("job", work), ("job_shm", Path("/dev/shm/eagle3-bench"))):
         out = root / f"out-{config}"
@@ -944,7 +1009,9 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
         totals = run_job(_job_settings(args, model_dir, dummy, work / "prompts.jsonl", out), backend)
         capture = "eager hooks" if args.job_eager else "compiled capture"
         rows.append(
-            _job_row(config, regular, totals, f"{capture}; shards on {root}, 2 GiB each, checksummed")
+            _job_row(
+                config, regular, totals, f"{capture}; shards on {root}, 2 GiB each, checksummed", compiled
+            )
         )
         if config == "job" and args.tensor_parallel_size == 1:  # the in-worker reference needs whole weights
             try:
@@ -959,15 +1026,244 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
             if chunk.release is not None:
                 chunk.release()
         rows.append(
-            _row("null", long, time.perf_counter() - start, notes=f"{args.long_tokens}-token prompts")
+            _row(
+                "null", long, time.perf_counter() - start, compiled, notes=f"{args.long_tokens}-token prompts"
+            )
         )
         out = work / "out-long"
         shutil.rmtree(out, ignore_errors=True)
         totals = run_job(_job_settings(args, model_dir, dummy, work / "long.jsonl", out), backend)
-        rows.append(_job_row("job", long, totals, f"{args.long_tokens}-token prompts, shards on {work}"))
+        rows.append(
+            _job_row("job", long, totals, f"{args.long_tokens}-token prompts, shards on {work}", compiled)
+        )
         shutil.rmtree(out, ignore_errors=True)
     rows[0]["capture"] = backend.capture_info
     backend.close()
+    return {"rows": rows}
+
+
+# --------------------------------------------------------------------------- regeneration
+
+
+def _chat_model(args: argparse.Namespace) -> tuple[Path, bool]:
+    """The bench model with a tokenizer and chat template, which regeneration renders turns with:
+    the builtin tiny Llama's (its ids, below 1024, are valid in every model's vocabulary here)."""
+    from job.tiny import builtin_model_dir
+
+    model_dir, dummy = _model_dir(args)
+    if dummy:  # a builtin model has its own
+        for file in builtin_model_dir("tiny-llama").iterdir():
+            if file.name not in ("config.json", "generation_config.json") and file.suffix != ".safetensors":
+                shutil.copy(file, model_dir / file.name)
+    return model_dir, dummy
+
+
+def _conversations(args: argparse.Namespace, model_dir: Path) -> Path:
+    """``--num-prompts`` one-turn conversations, their user turns lognormal in length around
+    ``--median-tokens`` (random words of the tokenizer's vocabulary)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rng = np.random.default_rng(1)
+    lengths = np.clip(rng.lognormal(math.log(args.median_tokens), 0.6, args.num_prompts), 32, args.max_tokens)
+    path = Path(args.work_dir) / "conversations.jsonl"
+    with path.open("w") as f:
+        for i, n in enumerate(lengths.astype(int)):
+            text = tokenizer.decode(rng.integers(100, 1000, n).tolist())
+            f.write(json.dumps({"id": f"c-{i:05d}", "messages": [{"role": "user", "content": text}]}) + "\n")
+    return path
+
+
+def _regenerate_settings(
+    args: argparse.Namespace, model_dir: Path, dummy: bool, data: Path, out: Path
+) -> Any:
+    generate = [
+        "--data.format=openai",
+        "--data.tokenizer_workers=2",
+        "--generate.mode=last_turn",
+        f"--generate.temperature={args.temperature}",
+        f"--generate.max_new_tokens={args.max_new_tokens}",
+        "--generate.seed=0",
+    ]
+    return _job_settings(args, model_dir, dummy, data, out, generate)
+
+
+def _generation_requests(settings: Any) -> list[Any]:
+    """The first turn of every conversation, as the job's regeneration stage would ask for it."""
+    from job.backends import GenerationInput
+    from job.data.encode import GenerationStart, SampleEncoder
+    from job.data.source import read_records
+    from job.pipeline.setup import prepare_run
+
+    setup = prepare_run(settings)
+    encoder, sampling = SampleEncoder(setup.encoder), setup.sampling
+    requests = []
+    for record in read_records(setup.files, int(settings.data.max_record_bytes)):
+        start = encoder.encode(record.sample_id, record.value, record.error)
+        assert isinstance(start, GenerationStart), start
+        requests.append(
+            GenerationInput(
+                request_id=f"{start.sample_id}#0",
+                prompt_ids=start.prompt_ids,
+                max_new_tokens=min(sampling.max_new_tokens, settings.data.max_length - len(start.prompt_ids)),
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                seed=sampling.request_seed(start.sample_id, 0),
+                stop_token_ids=sampling.eos_token_ids,
+            )
+        )
+    return requests
+
+
+def _worker_regenerate(args: argparse.Namespace) -> dict[str, Any]:
+    from dataclasses import replace
+
+    from job.backends import generate_all
+    from job.backends.vllm import VllmBackend
+    from job.logs import configure_logging
+    from job.model import resolve_model
+    from job.pipeline.runner import run_job
+
+    work = Path(args.work_dir)
+    model_dir, dummy = _chat_model(args)
+    data = _conversations(args, model_dir)
+    out = work / "out-regenerate"
+    shutil.rmtree(out, ignore_errors=True)
+    settings = _regenerate_settings(args, model_dir, dummy, data, out)
+    configure_logging(settings.log)
+    requests = _generation_requests(settings)
+    with (work / "generation_requests.jsonl").open("w") as f:  # for regenerate_plain: the same requests
+        for r in requests:
+            f.write(
+                json.dumps(
+                    {"prompt": r.prompt_ids.tolist(), "max_new_tokens": r.max_new_tokens, "seed": r.seed}
+                )
+                + "\n"
+            )
+    model = resolve_model(settings.model)
+    backend = VllmBackend(settings, model, model.resolve_layer_ids(None), hidden_dtype(model.dtype))
+    prompts = [r.prompt_ids for r in requests]
+    compiled = not args.job_eager
+    generate_all(
+        backend, [replace(r, request_id=f"warm{i}", max_new_tokens=16) for i, r in enumerate(requests[:8])]
+    )
+    start = time.perf_counter()
+    alone = generate_all(backend, requests)
+    seconds = time.perf_counter() - start
+    generated = sum(len(c.token_ids) for c in alone.values())
+    rows = [
+        _row(
+            "regenerate_generation",
+            prompts,
+            seconds,
+            compiled,
+            tokens=generated,
+            prompt_tokens=int(sum(map(len, prompts))),
+            notes=f"the job's vLLM backend generating only; tok/s counts the {generated} generated tokens",
+        )
+    ]
+    totals = run_job(settings, backend)
+    same = _turns_as_generated_alone(out, requests, alone)
+    seconds = totals["extract_seconds"]
+    job_generated = totals["generation"]["generated_tokens"]
+    rows.append(
+        _row(
+            "regenerate_job",
+            prompts,
+            seconds,
+            compiled,
+            tokens=job_generated,
+            extracted_tokens=totals["tokens"],
+            samples=totals["written"],
+            samples_per_hour=round(totals["written"] / seconds * 3600),
+            bytes_written=totals["bytes_written"],
+            turns_as_generated_alone=same,
+            notes=(
+                "python -m job run, generate.mode last_turn then extraction on one engine: "
+                f"{totals['written']} samples, {totals['tokens']} tokens extracted; tok/s counts the "
+                "generated tokens"
+            ),
+        )
+    )
+    backend.close()
+    shutil.rmtree(out, ignore_errors=True)
+    return {"rows": rows}
+
+
+def _turns_as_generated_alone(out: Path, requests: list[Any], alone: dict[str, Any]) -> int:
+    """Samples of the run whose turn is the one generated alone with the same seed: the same
+    seeds, but batched with extraction work this time."""
+    from job.shards import iter_output
+
+    written = {s.sample_id: s.input_ids.numpy() for s in iter_output(out)}
+    same = 0
+    for request in requests:
+        ids = written.get(request.request_id.rsplit("#", 1)[0])
+        tokens = alone[request.request_id].token_ids
+        start = len(request.prompt_ids)
+        same += ids is not None and np.array_equal(ids[start : start + len(tokens)], tokens)
+    return same
+
+
+def _worker_regenerate_plain(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from job.data.encode import EncoderSpec, SampleEncoder
+
+    work = Path(args.work_dir)
+    model_dir, dummy = _model_dir(args)
+    requests = [json.loads(line) for line in (work / "generation_requests.jsonl").open()]
+    eos = SampleEncoder(EncoderSpec(str(model_dir), None, "auto", 1, "truncate", 1)).tokenizer.eos_token_id
+    prompts = [np.asarray(r["prompt"], np.int32) for r in requests]
+    started = time.perf_counter()
+    llm = LLM(**_engine_kwargs(args, model_dir, dummy, eager=False))
+    load_seconds = time.perf_counter() - started
+
+    def params(r: dict[str, Any], seeded: bool) -> Any:
+        return SamplingParams(
+            max_tokens=r["max_new_tokens"],
+            temperature=args.temperature,
+            seed=r["seed"] if seeded else None,
+            stop_token_ids=[eos],
+            detokenize=False,
+        )
+
+    batch = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in requests]
+    llm.generate(batch[:8], [SamplingParams(max_tokens=16)] * 8, use_tqdm=False)
+    rows = []
+    for config, seeded in (("plain_generate", True), ("plain_generate_unseeded", False)):
+        start = time.perf_counter()
+        outputs = llm.generate(batch, [params(r, seeded) for r in requests], use_tqdm=False)
+        seconds = time.perf_counter() - start
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        rows.append(
+            _row(
+                config,
+                prompts,
+                seconds,
+                True,
+                tokens=generated,
+                load_seconds=round(load_seconds, 1),
+                notes="LLM.generate, " + ("seeded per request as the job" if seeded else "no seeds"),
+            )
+        )
+        if seeded:
+            regenerated = [
+                np.asarray([*r["prompt"], *o.outputs[0].token_ids], np.int32)
+                for r, o in zip(requests, outputs, strict=True)
+            ]
+    seconds, _ = _generate(llm, regenerated)
+    rows.append(
+        _row(
+            "plain_prefill_regenerated",
+            regenerated,
+            seconds,
+            True,
+            notes="plain prefill of the regenerated sequences: the extraction stage's ceiling, done apart",
+        )
+    )
     return {"rows": rows}
 
 
@@ -978,4 +1274,6 @@ WORKERS = {
     "native": _worker_native,
     "hf": _worker_hf,
     "write": _worker_write,
+    "regenerate": _worker_regenerate,
+    "regenerate_plain": _worker_regenerate_plain,
 }
