@@ -8,20 +8,18 @@ Every command has its own ``--help``; ``run`` is the default command. A failure 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import os
-import signal
 import sys
-import threading
 from collections.abc import Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, NoReturn
 
 import yaml
 
-from job.errors import EXIT_FAILURE, EXIT_OK, EXIT_TERMINATED, ConfigError, JobError
+from job.errors import EXIT_FAILURE, EXIT_OK, ConfigError, JobError
 from job.logs import configure_logging, get_logger, scrubber
+from job.pipeline.stop import exit_on_stop_signal
 from job.settings import JobSettings, load_settings, redact, settings_dump
 
 # What a command's output piped into `head` exits with once the reader has gone (128 + SIGPIPE),
@@ -178,39 +176,6 @@ def error_line(exc: BaseException) -> str:
     return "error: " + scrubber.scrub(redact(" ".join(str(exc).split())))
 
 
-@contextlib.contextmanager
-def _exit_on_stop_signal() -> Iterator[None]:
-    """Until the run touches its output, SIGTERM/SIGINT end the process at once.
-
-    There is nothing to make consistent yet, and waiting would only let a model
-    download run into the SIGKILL at the end of the grace period. The handler
-    must exist even so: as a container's PID 1, Python gets no default action
-    for SIGTERM (the kernel drops signals PID 1 has no handler for), so the
-    signal would be ignored. ``os._exit``, not an exception: the hub
-    download's thread pool would fetch every queued file before an exception
-    got out, and ``resolve_model`` turns exceptions into a configuration error.
-    The runner installs its graceful handler before it opens the output.
-    """
-
-    def stop_now(signum: int, _frame: Any) -> None:
-        with contextlib.suppress(Exception):  # the signal may land inside a write to stdout
-            get_logger().warning(
-                "run_stopped", signal=signal.Signals(signum).name, phase="startup", exit_code=EXIT_TERMINATED
-            )
-            sys.stdout.flush()
-        os._exit(EXIT_TERMINATED)
-
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread
-        return
-    previous = {sig: signal.signal(sig, stop_now) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 def _run_command(command: str, settings: JobSettings) -> int:
     log = get_logger()
     try:
@@ -219,7 +184,7 @@ def _run_command(command: str, settings: JobSettings) -> int:
 
             print(plan_index(settings))
             return EXIT_OK
-        with _exit_on_stop_signal():
+        with exit_on_stop_signal("startup"):
             from job.pipeline.runner import run_job
 
             totals = run_job(settings)

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from job.errors import EXIT_TERMINATED
 from job.shards import iter_output
 
 if os.environ.get("REQUIRE_VLLM") != "1":
@@ -107,3 +111,70 @@ def test_batches_held_several_requests_long_prefills_were_chunked_and_steps_over
     assert stats["max_steps_in_flight"] == 2  # step k+1 was scheduled and submitted while step k ran
     longest = max(s.input_ids.shape[0] for s in iter_output(outputs[0]))
     assert longest > TOKEN_BUDGET
+
+
+def test_sigterm_while_the_engine_starts_exits_at_once_and_a_rerun_completes(
+    outputs: tuple[Path, Path, list[dict]], tmp_path: Path
+) -> None:
+    """vLLM's start-up (model load, compilation, KV cache) can block for minutes and never looks
+    at the job's stop flag: SIGTERM then ends the process at once, engine workers included, and
+    the output is left as a kill -9 would leave it: the rerun writes every sample once."""
+    reference, _, _ = outputs
+    out = tmp_path / "out"
+    args = [
+        "--data.max_length=512",
+        "--output.shard_bytes=1MiB",
+        f"--output.uri={out}",
+        "--backend.name=vllm",
+        f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}",
+        "--backend.vllm.max_num_seqs=4",
+    ]
+    cache = reference.parent / "cache"
+    env = {**os.environ, "JOB_CACHE_DIR": str(cache), "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "job", "run", "--log.format=json", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    events = []
+    for line in proc.stdout:  # until the engine has begun to start
+        if line.startswith("{"):
+            events.append(json.loads(line))
+            if events[-1]["event"] == "adapter_selected":
+                break
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    rc = proc.wait(timeout=60)
+    seconds_to_exit = time.monotonic() - signalled
+    deadline = time.monotonic() + 5  # the job SIGKILLs its children as it exits: let them go
+    while (left := _alive_in_session(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for process in left:  # they would keep stdout open
+        process.kill()
+    events += [json.loads(line) for line in proc.stdout if line.startswith("{")]
+
+    assert rc == EXIT_TERMINATED, events[-3:]
+    assert seconds_to_exit < 10
+    (stopped,) = [e for e in events if e["event"] == "run_stopped"]
+    assert stopped["phase"] == "engine_startup" and stopped["signal"] == "SIGTERM"
+    assert not left, f"child processes outlived the job: {left}"
+    _run(args, cache)
+    written = sorted(s.sample_id for s in iter_output(out))
+    assert written == sorted(s.sample_id for s in iter_output(reference))
+    print(f"\nSIGTERM during the engine's start-up: exit {rc} after {seconds_to_exit:.2f} s")
+
+
+def _alive_in_session(session: int) -> list[Any]:
+    import psutil
+
+    alive = []
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == session and process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except (OSError, psutil.Error):
+            continue
+    return alive

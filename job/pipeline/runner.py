@@ -28,7 +28,7 @@ from job.pipeline.rejections import Rejections
 from job.pipeline.resume import Resumed, resume
 from job.pipeline.routing import ChunkRouter
 from job.pipeline.setup import RunSetup, new_run_id, prepare_run
-from job.pipeline.stop import StopFlag
+from job.pipeline.stop import StopFlag, exit_on_stop_signal
 from job.progress import Progress, Snapshot
 from job.settings import JobSettings, settings_dump
 from job.shards.planner import ShardPlanner
@@ -128,25 +128,9 @@ class IndexRun:
         setup, settings, manifest = self.setup, self.setup.settings, self.resumed.manifest
         rejections = Rejections(self.store.local_path(REJECTED + ".partial"), self.log)
         cleanup.callback(rejections.close)
-        # Tokenization starts first: it fills its queue while the engine loads. Its thread and
-        # this one both import from transformers, whose lazy module is not safe to populate from
-        # two threads at once: resolve what both need here.
-        import transformers
-
-        _ = transformers.AutoTokenizer, transformers.AutoModelForCausalLM
-        stream = EncodedStream(
-            read_records(setup.files, int(settings.data.max_record_bytes)),
-            setup.encoder,
-            index=settings.work.index,
-            count=settings.work.count,
-            done_ids=manifest.done_sample_ids(),
-            workers=settings.data.tokenizer_workers,
-            prefetch=settings.data.prefetch_samples,
-        )
+        stream = self._start_tokenization()  # first: it fills its queue while the engine loads
         cleanup.callback(stream.close)
-        backend = self._given_backend or create_backend(settings, setup.model, setup.layer_ids, setup.dtype)
-        if self._given_backend is None:
-            cleanup.callback(backend.close)
+        backend = self._start_backend(cleanup)
         manifest.backend = backend.info
         manifest.run_ids.append(self.run_id)
         regenerator = self._regenerator(backend)
@@ -188,6 +172,32 @@ class IndexRun:
         progress = Progress(self.log, settings.log.progress_interval_s)
         cleanup.callback(progress.close)
         return _Wiring(stream, backend, inputs, writer, router, committer, rejections, progress, regenerator)
+
+    def _start_tokenization(self) -> EncodedStream:
+        settings = self.setup.settings
+        # Its thread and this one both import from transformers, whose lazy module is not safe to
+        # populate from two threads at once: resolve what both need here.
+        import transformers
+
+        _ = transformers.AutoTokenizer, transformers.AutoModelForCausalLM
+        return EncodedStream(
+            read_records(self.setup.files, int(settings.data.max_record_bytes)),
+            self.setup.encoder,
+            index=settings.work.index,
+            count=settings.work.count,
+            done_ids=self.resumed.manifest.done_sample_ids(),
+            workers=settings.data.tokenizer_workers,
+            prefetch=settings.data.prefetch_samples,
+        )
+
+    def _start_backend(self, cleanup: ExitStack) -> Backend:
+        if self._given_backend is not None:
+            return self._given_backend
+        setup = self.setup
+        with exit_on_stop_signal("engine_startup"):  # vLLM's start-up does not look at the stop flag
+            backend = create_backend(setup.settings, setup.model, setup.layer_ids, setup.dtype)
+        cleanup.callback(backend.close)
+        return backend
 
     def _regenerator(self, backend: Backend) -> Regenerator | None:
         """generate.mode other than keep: the stage that has the backend write the turns first."""

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import json
+import os
 import signal
+import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
+
+import psutil
+
+from job.errors import EXIT_TERMINATED
+from job.logs import get_logger
+
+LOG_WAIT_S = 1.0  # for the stop event to be logged before the process ends
 
 
 class StopFlag:
@@ -36,3 +49,58 @@ class StopFlag:
 
     def _handle(self, signum: int, _frame: Any) -> None:
         self.request(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def exit_on_stop_signal(phase: str) -> Iterator[None]:
+    """While the context lasts, SIGTERM/SIGINT end the process at once (``run_stopped`` with
+    ``phase``, exit EXIT_TERMINATED).
+
+    For the phases with nothing to make consistent: start-up, before the run touches its output
+    (waiting would only let a model download run into the SIGKILL at the end of the grace
+    period), and the engine's start-up, which may block for minutes in vLLM (an exit there is a
+    kill -9 as far as the output goes: resume handles it). The handler must exist even so: as a
+    container's PID 1, Python gets no default action for SIGTERM (the kernel drops signals PID 1
+    has no handler for), so the signal would be ignored. ``os._exit``, not an exception: the hub
+    download's thread pool would fetch every queued file before an exception got out, and
+    ``resolve_model`` turns exceptions into a configuration error. The handlers before the
+    context (the runner's graceful StopFlag) come back after it.
+    """
+
+    def stop_now(signum: int, _frame: Any) -> None:
+        event = {"signal": signal.Signals(signum).name, "phase": phase, "exit_code": EXIT_TERMINATED}
+        logged = threading.Event()
+
+        def report() -> None:
+            with contextlib.suppress(Exception):
+                get_logger().warning("run_stopped", **event)
+                sys.stdout.flush()
+                logged.set()
+
+        # Logged from another thread: the signal may have landed while this (main) thread held the
+        # logger's lock, which it cannot release while in here; that thread would then wait forever.
+        threading.Thread(target=report, daemon=True).start()
+        if not logged.wait(LOG_WAIT_S):
+            line = {"event": "run_stopped", **event, "level": "warning", "timestamp": _now()}
+            with contextlib.suppress(OSError):
+                os.write(sys.stdout.fileno(), (json.dumps(line) + "\n").encode())
+        # The tokenizer pool's workers wait on their queue forever once the parent is gone (vLLM's
+        # watch for it): none outlives the job.
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        os._exit(EXIT_TERMINATED)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    previous = {sig: signal.signal(sig, stop_now) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
