@@ -23,19 +23,22 @@ job/pipeline/runner.py, resume.py  test_resume, test_output_stability, test_sigt
 job/pipeline/feed.py               test_shard_planner
 job/pipeline/routing.py, commit.py test_committer, test_local_model (repack after NaN)
 job/pipeline/rejections.py         test_rejections_and_logs
-job/pipeline/stop.py               test_stop_flag, test_sigterm
+job/pipeline/stop.py               test_stop_flag, test_sigterm, test_vllm_e2e (engine start-up)
 job/shards/planner.py              test_shard_planner
 job/shards/writer.py, format.py    test_shard_writer, test_committer, test_output_stability
 job/shards/reader.py               test_shards_roundtrip, test_fp8
 job/storage/local.py, staging.py   test_resume, test_committer, test_shard_planner
 job/storage/objects.py, s3.py      test_s3_store, test_s3_job, test_s3_export
 job/hidden_dtype.py                test_fp8, test_output_stability
-job/backends/hf.py                 test_layer_convention, test_shards_roundtrip
-job/backends/vllm.py, job/worker/  test_vllm_e2e, test_vllm_tp, test_ring
-adapters/, config/adapters.yaml    test_adapter_selection, test_vllm_contract
+job/backends/hf.py                 test_layer_convention, test_shards_roundtrip, test_regeneration
+job/backends/vllm.py, job/worker/  test_vllm_e2e, test_vllm_tp, test_vllm_compiled, test_vllm_generate,
+                                   test_ring
+adapters/, config/adapters.yaml    test_adapter_selection, test_vllm_contract, test_vllm_generate
+job/generate/                      test_regeneration, test_vllm_generate, test_s3_job
+job/manifest.py, layout.py         test_resume, test_regeneration (side files), test_output_stability
 job/export.py                      test_export, test_s3_export
 job/logs.py                        test_rejections_and_logs, test_s3_job (no secrets)
-job/plan.py, inspect.py            test_shards_roundtrip
+job/plan.py, inspect.py            test_shards_roundtrip, test_regeneration
 job/compare.py                     test_vllm_tp
 Dockerfile, k8s/                   test_container, test_sigterm
 =================================  ===================================================================

@@ -41,7 +41,9 @@ def records() -> list[dict[str, Any]]:
     out = []
     for i in range(18):
         system = [{"role": "system", "content": "Be brief."}] if i % 2 == 0 else []
-        turns = [{"role": "user", "content": f"Question {i}: why?"}, {"role": "assistant", "content": "So."}]
+        # every fifth question is longer than the token budget: its prefill spans steps on a GPU
+        question = f"Question {i}: why?" + (" Tell me more about it." * 30 if i % 5 == 4 else "")
+        turns = [{"role": "user", "content": question}, {"role": "assistant", "content": "So."}]
         if i % 3 == 0:
             turns += [{"role": "user", "content": "And then?"}]
         out.append({"id": f"g{i:02d}", "messages": system + turns})
