@@ -113,6 +113,7 @@ def test_batches_held_several_requests_long_prefills_were_chunked_and_steps_over
     assert longest > TOKEN_BUDGET
 
 
+@pytest.mark.parametrize("outputs", ["compiled"], indirect=True)  # one engine start-up is enough
 def test_sigterm_while_the_engine_starts_exits_at_once_and_a_rerun_completes(
     outputs: tuple[Path, Path, list[dict]], tmp_path: Path
 ) -> None:
