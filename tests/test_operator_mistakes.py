@@ -121,7 +121,7 @@ def test_environment_name_with_an_unknown_section(
         2,
         "environment JOB_OUTPUTS__URI",
         "no settings section 'outputs'",
-        "the sections are model, layers, data, backend, output, work, log",
+        "the sections are model, layers, data, backend, output, work, generate, log",
         "JOB_OUTPUT__URI for output.uri",
     )
     assert not (tmp_path / "out").exists() and list(scratch.iterdir()) == []
