@@ -42,7 +42,7 @@ def records() -> list[dict[str, Any]]:
     for i in range(18):
         system = [{"role": "system", "content": "Be brief."}] if i % 2 == 0 else []
         # every fifth question is longer than the token budget: its prefill spans steps on a GPU
-        question = f"Question {i}: why?" + (" Tell me more about it." * 30 if i % 5 == 4 else "")
+        question = f"Question {i}: why?" + (" Tell me more about it." * 8 if i % 5 == 4 else "")
         turns = [{"role": "user", "content": question}, {"role": "assistant", "content": "So."}]
         if i % 3 == 0:
             turns += [{"role": "user", "content": "And then?"}]
