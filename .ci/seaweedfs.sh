@@ -25,6 +25,11 @@ case "$cmd" in
     if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
       echo "already running: pid $(cat "$pidfile")" >&2; exit 1
     fi
+    # A server already on the port would answer for this one, which then never serves (and a test
+    # stopping "its" server would stop nothing).
+    if python3 -c "import socket, sys; socket.create_connection(('127.0.0.1', int(sys.argv[1])), 1)" "$port" 2>/dev/null; then
+      echo "port $port is in use (another S3 server?): give another port (S3_TEST_PORT)" >&2; exit 1
+    fi
     cat >"$dir/s3.json" <<JSON
 {"identities": [
   {"name": "admin",
