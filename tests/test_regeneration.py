@@ -217,6 +217,21 @@ def test_records_that_cannot_be_regenerated_are_rejected_with_the_reason(tiny_ll
         assert isinstance(result, RejectedSample) and reason in result.reason, result
 
 
+def test_an_unexpected_failure_rejects_the_conversation_instead_of_ending_the_run(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As for the data's own turns (encode with generate.mode keep): one record must not end the run."""
+    encoder = make_regenerator(tiny_llama_dir, "last_turn").encoder
+
+    def failing_tokenizer(text: str) -> np.ndarray:  # an injected fault: a tokenizer bug
+        raise IndexError("piece id out of range")
+
+    monkeypatch.setattr(encoder, "tokenize", failing_tokenizer)
+    result = encoder.encode("c1", {"messages": [user("Hi?"), assistant("Hello.")]}, None)
+    assert isinstance(result, RejectedSample), result
+    assert result.reason == "could not be encoded (unexpected IndexError: piece id out of range)"
+
+
 # --- whole runs (HF backend) ---------------------------------------------------------------
 
 

@@ -43,14 +43,18 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from job.data.formats import Conversation, PreTokenized, SampleRejected, parse_record
 from job.errors import ConfigError
+
+Record = Conversation | PreTokenized
+_Built = TypeVar("_Built")
 
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 GUARD = 4096
@@ -189,47 +193,52 @@ class SampleEncoder:
     ) -> EncodedSample | RejectedSample | GenerationStart:
         if self.spec.generate_mode != "keep":
             return self.start_generation(sample_id, value, error)
-        if error is not None:
-            return RejectedSample(sample_id, clean_reason(error))
-        assert value is not None
-        try:
-            parsed = parse_record(value, self.spec.data_format)
-            if isinstance(parsed, PreTokenized):
-                ids, mask = self._pretokenized(parsed)
-                return self._limit(sample_id, ids, mask, exact=True)
-            ids, mask, exact = self._conversation(parsed)
-            return self._limit(sample_id, ids, mask, exact)
-        except SampleRejected as exc:
-            reason = str(exc)
-        except ConfigError:
-            raise
-        except Exception as exc:  # one record must not end the run; the reason says what happened
-            reason = f"could not be encoded (unexpected {type(exc).__name__}: {exc})"
-        return RejectedSample(sample_id, clean_reason(reason))
+        return self._guarded(sample_id, value, error, self._encode_parsed)
 
     def start_generation(
         self, sample_id: str, value: dict[str, Any] | None, error: str | None
     ) -> GenerationStart | RejectedSample:
         """A record as a conversation to regenerate: which turns (``generate_mode``), and the
         template's tokens before the first of them."""
+        return self._guarded(sample_id, value, error, self._generation_start)
+
+    def _guarded(
+        self,
+        sample_id: str,
+        value: dict[str, Any] | None,
+        error: str | None,
+        build: Callable[[str, Record], _Built],
+    ) -> _Built | RejectedSample:
+        """``build`` on the parsed record; the record's read error, a SampleRejected or any
+        unexpected failure becomes its rejection (one record must not end the run)."""
         if error is not None:
             return RejectedSample(sample_id, clean_reason(error))
         assert value is not None
         try:
-            parsed = parse_record(value, self.spec.data_format)
-            if isinstance(parsed, PreTokenized):
-                raise SampleRejected(
-                    "a pre-tokenized record has no turns to regenerate (generate.mode: keep)"
-                )
-            targets = generation_targets(parsed, self.spec.generate_mode)
-            history = parsed.messages[: targets[0]]
-            if not any(m["role"] in ("user", "tool") for m in history):
-                raise SampleRejected(
-                    "nothing to answer: no user or tool turn before the first regenerated turn"
-                )
-            prompt = self.tokenize(self.render(history, parsed.tools, generation_prompt=True))
+            return build(sample_id, parse_record(value, self.spec.data_format))
         except SampleRejected as exc:
-            return RejectedSample(sample_id, clean_reason(str(exc)))
+            reason = str(exc)
+        except ConfigError:
+            raise
+        except Exception as exc:  # the reason says what happened
+            reason = f"could not be encoded (unexpected {type(exc).__name__}: {exc})"
+        return RejectedSample(sample_id, clean_reason(reason))
+
+    def _encode_parsed(self, sample_id: str, parsed: Record) -> EncodedSample | RejectedSample:
+        if isinstance(parsed, PreTokenized):
+            ids, mask = self._pretokenized(parsed)
+            return self._limit(sample_id, ids, mask, exact=True)
+        ids, mask, exact = self._conversation(parsed)
+        return self._limit(sample_id, ids, mask, exact)
+
+    def _generation_start(self, sample_id: str, parsed: Record) -> GenerationStart | RejectedSample:
+        if isinstance(parsed, PreTokenized):
+            raise SampleRejected("a pre-tokenized record has no turns to regenerate (generate.mode: keep)")
+        targets = generation_targets(parsed, self.spec.generate_mode)
+        history = parsed.messages[: targets[0]]
+        if not any(m["role"] in ("user", "tool") for m in history):
+            raise SampleRejected("nothing to answer: no user or tool turn before the first regenerated turn")
+        prompt = self.tokenize(self.render(history, parsed.tools, generation_prompt=True))
         if len(prompt) >= self.spec.max_length:
             return RejectedSample(
                 sample_id,
