@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import signal
@@ -13,11 +12,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import psutil
+import structlog
 
 from job.errors import EXIT_TERMINATED
 from job.logs import get_logger
 
 LOG_WAIT_S = 1.0  # for the stop event to be logged before the process ends
+TIMESTAMP = structlog.processors.TimeStamper(fmt="iso", utc=True)  # as job.logs stamps events
 
 
 class StopFlag:
@@ -81,11 +82,11 @@ def exit_on_stop_signal(phase: str) -> Iterator[None]:
         # logger's lock, which it cannot release while in here; that thread would then wait forever.
         threading.Thread(target=report, daemon=True).start()
         if not logged.wait(LOG_WAIT_S):
-            line = {"event": "run_stopped", **event, "level": "warning", "timestamp": _now()}
+            line = TIMESTAMP(None, "warning", {"event": "run_stopped", **event, "level": "warning"})
             with contextlib.suppress(OSError):
                 os.write(sys.stdout.fileno(), (json.dumps(line) + "\n").encode())
-        # The tokenizer pool's workers wait on their queue forever once the parent is gone (vLLM's
-        # watch for it): none outlives the job.
+        # vLLM's workers watch for their parent's end, the tokenizer pool's workers do not (they
+        # wait on their queue forever): none outlives the job.
         for child in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.Error):
                 child.kill()
@@ -100,7 +101,3 @@ def exit_on_stop_signal(phase: str) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
