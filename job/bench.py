@@ -1089,31 +1089,21 @@ def _regenerate_settings(
 
 
 def _generation_requests(settings: Any) -> list[Any]:
-    """The first turn of every conversation, as the job's regeneration stage would ask for it."""
-    from job.backends import GenerationInput
-    from job.data.encode import GenerationStart, SampleEncoder
+    """The first turn of every conversation, as the job's regeneration stage asks for it."""
+    from job.data.encode import GenerationStart
     from job.data.source import read_records
     from job.pipeline.setup import prepare_run
 
     setup = prepare_run(settings)
-    encoder, sampling = SampleEncoder(setup.encoder), setup.sampling
-    requests = []
-    for record in read_records(setup.files, int(settings.data.max_record_bytes)):
-        start = encoder.encode(record.sample_id, record.value, record.error)
+    records = list(read_records(setup.files, int(settings.data.max_record_bytes)))
+    regenerator = setup.regenerator(max_active=len(records))
+    assert regenerator is not None
+    for record in records:
+        start = regenerator.encoder.encode(record.sample_id, record.value, record.error)
         assert isinstance(start, GenerationStart), start
-        requests.append(
-            GenerationInput(
-                request_id=f"{start.sample_id}#0",
-                prompt_ids=start.prompt_ids,
-                max_new_tokens=min(sampling.max_new_tokens, settings.data.max_length - len(start.prompt_ids)),
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                seed=sampling.request_seed(start.sample_id, 0),
-                stop_token_ids=sampling.eos_token_ids,
-            )
-        )
-    return requests
+        regenerator.start(start)
+    assert not regenerator.finished, regenerator.finished  # none rejected
+    return list(regenerator.ready)
 
 
 def _worker_regenerate(args: argparse.Namespace) -> dict[str, Any]:

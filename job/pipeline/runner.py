@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from job.backends import Backend, Completion, create_backend
-from job.data.encode import SampleEncoder
 from job.data.source import log_skipped, read_records
 from job.data.stream import EncodedStream
 from job.errors import ConfigError, JobError, Terminated
@@ -201,25 +200,13 @@ class IndexRun:
 
     def _regenerator(self, backend: Backend) -> Regenerator | None:
         """generate.mode other than keep: the stage that has the backend write the turns first."""
-        setup = self.setup
-        if setup.sampling is None:
-            return None
-        generate, data = setup.settings.generate, setup.settings.data
-        self.log.info(
-            "generation_configured",
-            mode=generate.mode,
-            sources=setup.sampling.sources,
-            **setup.sampling.record(),
-        )
-        return Regenerator(
-            SampleEncoder(setup.encoder),
-            setup.sampling,
-            generate.mode,
-            data.max_length,
-            data.reasoning_in_loss,
-            generate.on_length,
-            max_active=backend.concurrent_requests,
-        )
+        regenerator = self.setup.regenerator(max_active=backend.concurrent_requests)
+        if regenerator is not None:
+            sampling = regenerator.sampling
+            self.log.info(
+                "generation_configured", mode=regenerator.mode, sources=sampling.sources, **sampling.record()
+            )
+        return regenerator
 
     def _check_rejections(self, w: _Wiring, records: int, owned: int) -> None:
         """A run that wrote nothing, or rejected more than data.max_rejected_fraction, stops with exit

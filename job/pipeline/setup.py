@@ -13,6 +13,7 @@ from job.data.encode import EncoderSpec, SampleEncoder, read_chat_template
 from job.data.source import InputFile, SkippedInput, data_fingerprint, scan_input
 from job.errors import ConfigError
 from job.generate.sampling import Sampling, resolve_sampling
+from job.generate.stage import Regenerator
 from job.hidden_dtype import HiddenDtype, stored_dtype
 from job.manifest import Identity
 from job.model import LAYER_CONVENTION, ModelInfo, resolve_model
@@ -61,6 +62,22 @@ class RunSetup:
     @property
     def bytes_per_token(self) -> int:
         return self.dtype.token_bytes(len(self.layer_ids), self.model.hidden_size) + _IDS_AND_MASK_BYTES
+
+    def regenerator(self, max_active: int) -> Regenerator | None:
+        """generate.mode other than keep: the stage that has the backend generate the turns first,
+        with ``max_active`` conversations under way at once."""
+        if self.sampling is None:
+            return None
+        generate, data = self.settings.generate, self.settings.data
+        return Regenerator(
+            SampleEncoder(self.encoder),
+            self.sampling,
+            generate.mode,
+            data.max_length,
+            data.reasoning_in_loss,
+            generate.on_length,
+            max_active=max_active,
+        )
 
     def shard_metadata(self, backend_info: dict[str, object], run_id: str) -> dict[str, str]:
         """What every shard of this run records about its origin (format.py lists the keys)."""
