@@ -24,6 +24,7 @@ from job.shards import open_shard
 from job.shards.planner import ShardPlan
 from job.shards.writer import FinishedShard, ShardContext, ShardWriter, _filesystem_type
 from job.storage.staging import StagedShard, StagingArea
+from job.worker.ring import Ring, header_bytes
 
 LAYERS, HIDDEN = 4, 512  # bf16 rows of 4 KiB
 LENGTHS = [37, 300, 5, 128]
@@ -130,6 +131,32 @@ def test_rows_read_back_exactly_with_the_files_checksum(
             for path in directory.iterdir():
                 path.unlink()
             directory.rmdir()
+
+
+@pytest.mark.parametrize("max_request_id_bytes", [32, 77])
+def test_rows_from_a_capture_ring_slot_go_to_disk_with_direct_io(
+    max_request_id_bytes: int, tmp_path: Path
+) -> None:
+    """The driver writes rows straight from the ring's slots: whatever the size of a step's
+    header (it grows with the longest request id), every slot's rows start on a page."""
+    if not _supports_direct_io(tmp_path):
+        pytest.skip(f"{_filesystem_type(str(tmp_path))} at {tmp_path} has no direct I/O")
+    ring = Ring.create(
+        str(tmp_path),
+        slots=2,
+        max_tokens=max(LENGTHS),
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        dtype_name="bfloat16",
+        header_bytes=header_bytes(max_requests=128, max_request_id_bytes=max_request_id_bytes),
+    )
+    try:
+        rows = ring.slots[1].rows
+        rows.copy_(torch.randn(rows.shape))
+        finished, _ = _write(tmp_path, rows, chunk=64)
+        assert finished.direct_bytes == sum(LENGTHS) * LAYERS * HIDDEN * 2
+    finally:
+        ring.close(unlink=True)
 
 
 def test_the_checksum_refuses_pieces_that_do_not_tile_the_file() -> None:

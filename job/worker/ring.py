@@ -87,10 +87,12 @@ class RingSpec:
             ("positions", t * 4),
             ("finite", t),
         ]
+        # Every field starts on a page: the driver writes rows from the slot straight into shard
+        # files with O_DIRECT, which needs block-aligned memory (a header of any size included).
         out, pos = {}, 0
         for name, size in sizes:
             out[name] = (pos, size)
-            pos = _align(pos + size, 64)
+            pos = _align(pos + size)
         return out
 
     @property
