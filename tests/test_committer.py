@@ -139,6 +139,40 @@ def test_rows_routed_in_any_order_from_threads_read_back_exactly(tmp_path: Path)
     pipe.close()
 
 
+def test_a_chunk_larger_than_a_piece_is_written_in_pieces_and_released_once(
+    tmp_path: Path,
+) -> None:
+    """The last step of a run often holds one long request: its rows are split into pieces that
+    the writer threads share, and the step's buffer is handed back once, after the last piece."""
+    pipe = Pipeline(tmp_path)
+    (member,) = samples(40)
+    pipe.open(0, [member])
+    writes: list[tuple[int, int]] = []  # (first row, rows) of each write
+    write_rows = pipe.writer.write_rows
+
+    def recording(sample_id: str, start: int, rows: memoryview, scales: bytes | None = None) -> None:
+        writes.append((start, rows.nbytes // (LAYERS * HIDDEN * 4)))
+        write_rows(sample_id, start, rows, scales)
+
+    pipe.writer.write_rows = recording  # type: ignore[method-assign]
+    router = ChunkRouter(pipe.writer, threads=4)
+    router.PIECE_BYTES = 3 * LAYERS * HIDDEN * 4  # three rows
+    released = threading.Semaphore(0)
+    (whole,) = chunks(member, 40)
+    whole.release = released.release
+    router(whole)
+    router.close()
+    pipe.committer.close()
+    assert released.acquire(timeout=0) and not released.acquire(timeout=0)  # exactly once
+    assert sorted(writes) == [(s, min(3, 40 - s)) for s in range(0, 40, 3)]  # pieces for the pool
+    manifest = read_manifest(pipe.directory)
+    assert manifest is not None and manifest.counts.written == 1
+    entry = manifest.shards[0]
+    assert crc64nvme_file(pipe.directory / entry.name) == entry.checksum.value
+    assert torch.equal(open_shard(pipe.directory / entry.name).sample(0).hidden_states, rows_of(member))
+    pipe.close()
+
+
 def test_a_nonfinite_sample_is_rejected_and_its_shard_repacked(tmp_path: Path) -> None:
     pipe = Pipeline(tmp_path)
     members = samples(6, 9, 4)
