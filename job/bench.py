@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +192,9 @@ MODELS: dict[str, dict[str, Any] | None] = {
     "tiny-llama": None,  # builtin weights; a CPU smoke run of this script
 }
 RESULT_TAG = "BENCH_RESULT "
+# Before each timed prefill pass, every engine runs this many of the prompts: several full steps,
+# so that step shapes and kernels (MoE kernel configurations among them) are met before timing.
+WARMUP_PROMPTS = 64
 NO_GPU_CONFIGS = ("write", "write_shm", "write_s3")  # the write path alone: no ratio to plain, not plotted
 # Generation: their ratios are to plain_generate (_generation_ratios); not plotted.
 GENERATION_CONFIGS = (
@@ -411,6 +415,55 @@ def _dd(directory: Path) -> float | None:
         target.unlink(missing_ok=True)
 
 
+def _disk_ceiling(directory: Path, prompts: list[np.ndarray], row_bytes: int, threads: int) -> dict[str, Any]:
+    """The disk's sustained write ceiling for the job's bytes, written the way the job writes
+    them: files of one shard's size, reserved with fallocate, filled by ``threads`` threads with
+    direct I/O from page-aligned memory, fsync'ed. ``tok_per_s``: the tokens per second a writer
+    could reach on this disk at this row size."""
+    import mmap
+
+    shard, piece = 2 * 2**30, 64 * 2**20
+    total = -(-int(sum(len(p) for p in prompts)) * row_bytes // 4096) * 4096  # O_DIRECT: whole blocks
+    source = mmap.mmap(-1, piece)  # anonymous: page-aligned
+    source.write(os.urandom(piece))
+    files: list[Path] = []
+
+    def fill(fd: int, offsets: list[int], size: int) -> None:
+        for offset in offsets:
+            view = memoryview(source)[: min(piece, size - offset)]
+            while view:
+                offset += (n := os.pwrite(fd, view, offset))
+                view = view[n:]
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        for first in range(0, total, shard):
+            size = min(shard, total - first)
+            path = directory / f"ceiling-{len(files):05d}"
+            files.append(path)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, size)
+                offsets = list(range(0, size, piece))
+                parts = [offsets[t::threads] for t in range(threads)]
+                list(pool.map(fill, [fd] * threads, parts, [size] * threads))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    seconds = time.perf_counter() - start
+    for path in files:
+        path.unlink()
+    return _row(
+        "disk_ceiling",
+        prompts,
+        seconds,
+        None,
+        gb_per_s=round(total / seconds / 1e9, 2),
+        bytes_written=total,
+        notes=f"{threads} threads, O_DIRECT, {len(files)} files of 2 GiB, fsync'ed; no engine running",
+    )
+
+
 def _report(
     args: argparse.Namespace, rows: list[dict[str, Any]], disk: dict[str, Any], run_id: str, argv: list[str]
 ) -> None:
@@ -606,7 +659,7 @@ def _plain(args: argparse.Namespace, eager: bool) -> dict[str, Any]:
     model_dir, dummy = _model_dir(args)
     regular, long = _load_prompts(work, "prompts.jsonl"), _load_prompts(work, "long.jsonl")
     llm = LLM(**_engine_kwargs(args, model_dir, dummy, eager))
-    _generate(llm, regular[:8])
+    _generate(llm, regular[:WARMUP_PROMPTS])
     mode = "eager" if eager else "default compilation and CUDA graphs"
     rows = [_row(config, regular, _generate(llm, regular)[0], not eager, notes=mode)]
     if long:
@@ -651,7 +704,7 @@ def _worker_native(args: argparse.Namespace) -> dict[str, Any]:
             "kv_connector_extra_config": {"shared_storage_path": str(store)},
         },
     )
-    _generate(llm, regular[:8])
+    _generate(llm, regular[:WARMUP_PROMPTS])
     shutil.rmtree(store, ignore_errors=True)
     start = time.perf_counter()
     _, outputs = _generate(llm, regular)
@@ -986,7 +1039,7 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     backend = VllmBackend(settings, model, layer_ids, hidden_dtype(model.dtype))
     if dummy:
         _realistic_weights(backend)
-    extract_all(backend, regular[:8])  # warm-up
+    extract_all(backend, regular[:WARMUP_PROMPTS])
 
     start = time.perf_counter()
     for chunk in backend.extract(BackendInput(str(i), p) for i, p in enumerate(regular)):
@@ -1006,6 +1059,9 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     for config, root in (("job", work), ("job_shm", Path("/dev/shm/eagle3-bench"))):
         out = root / f"out-{config}"
         shutil.rmtree(out, ignore_errors=True)
+        if config == "job":  # what this disk takes when nothing else runs, for as many bytes as the job
+            row_bytes = len(layer_ids) * model.hidden_size * hidden_dtype(model.dtype).itemsize
+            rows.append(_disk_ceiling(work, regular, row_bytes, settings.output.writer_threads))
         totals = run_job(_job_settings(args, model_dir, dummy, work / "prompts.jsonl", out), backend)
         capture = "eager hooks" if args.job_eager else "compiled capture"
         rows.append(
