@@ -14,14 +14,14 @@ rm -rf "$out" && mkdir -p "$out"
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none)
 for p in manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_28_x86_64 any; do plat+=(--platform "$p"); done
 # What the job's write path and python -m job.bench_s3 import that a bare Python 3.12 + torch +
-# transformers may lack (versions as in the test venv; zstandard and pyarrow are imported only for
-# .zst and Parquet inputs, so they stay here).
+# transformers may lack (versions as in the test venv; pyarrow is imported only for Parquet inputs,
+# so it stays here).
 wheels=(
   boto3==1.44.8 botocore==1.44.8 s3transfer==0.19.3 jmespath==1.1.0 urllib3==2.8.0
   python-dateutil==2.9.0.post0 six==1.17.0 awscrt==0.38.0
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   typing-extensions==4.16.0 pydantic-settings==2.16.3 python-dotenv==1.2.4 pyyaml==6.0.4
-  structlog==26.1.0 orjson==3.13.0 psutil==7.2.2
+  structlog==26.1.0 orjson==3.13.0 psutil==7.2.2 zstandard==0.25.0
 )
 $py -m pip download -q --no-deps "${plat[@]}" -d "$out" "${wheels[@]}"
 tmp=$(mktemp -d)

@@ -811,7 +811,7 @@ def _worker_write(args: argparse.Namespace) -> dict[str, Any]:
         config_name, root = {"disk": ("write", work), "shm": ("write_shm", shm)}[target]
         out = root / f"out-{config_name}"
         shutil.rmtree(out, ignore_errors=True)
-        settings = _job_settings(args, model_dir, dummy, work / "prompts.jsonl", out)
+        settings = _job_settings(args, model_dir, dummy, work / "prompts.jsonl", out, backend_name="hf")
         configure_logging(settings.log)
         totals = run_job(settings, backend)
         rows.append(
@@ -839,7 +839,8 @@ def _write_s3(
     uri = f"{args.s3_uri.rstrip('/')}/run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")
     extra = [f"--output.staging_dir={staging}", *(f"--{setting}" for setting in args.s3_setting)]
-    settings = _job_settings(args, model_dir, dummy, Path(args.work_dir) / "prompts.jsonl", uri, extra)
+    data = Path(args.work_dir) / "prompts.jsonl"
+    settings = _job_settings(args, model_dir, dummy, data, uri, extra, backend_name="hf")
     configure_logging(settings.log)
     client = boto3.client("s3")
     ensure_bucket(client, bucket)
@@ -886,7 +887,10 @@ def _job_settings(
     data: Path,
     out: Path | str,
     extra: list[str] | None = None,
+    backend_name: str = "vllm",
 ) -> Any:
+    """The job's settings for a bench group; ``backend_name`` "hf" where the group hands the job
+    a backend of its own (rows from memory): no engine, so vLLM need not be installed."""
     from job.settings import load_settings
 
     engine_args = {"load_format": "dummy"} if dummy else {}
@@ -900,7 +904,7 @@ def _job_settings(
             "--data.tokenizer_workers=0",  # pre-tokenized: no tokenizer processes to start
             # vLLM samples one token after the prompt: it must fit the model's positions too
             f"--data.max_length={min(max_length, positions - 1) if positions else max_length}",
-            "--backend.name=vllm",
+            f"--backend.name={backend_name}",
             f"--backend.vllm.enforce_eager={args.job_eager}",
             f"--backend.tensor_parallel_size={args.tensor_parallel_size}",
             f"--backend.vllm.max_num_batched_tokens={args.max_num_batched_tokens}",
@@ -922,7 +926,9 @@ def _realistic_weights(backend: Any) -> None:
 
     def reinit(worker: Any) -> None:
         generator = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
-        for param in worker.model_runner.get_model().parameters():
+        for name, param in worker.model_runner.get_model().named_parameters():
+            if not param.is_floating_point() or "scale" in name:  # quantized weights keep dummy values
+                continue
             if param.dim() == 1:
                 param.data.fill_(1.0)
             else:

@@ -8,6 +8,7 @@
 * ``fast_args``: flags that make a CPU run cheap (inline tokenizer, float32).
 * ``job_torch_threads``: in-process torch at the subprocesses' thread count (exact compares).
 * ``write_jsonl`` / ``write_parquet`` / ``read_jsonl``: data set and output files.
+* ``hide_vllm``: a PYTHONPATH under which vLLM cannot be imported.
 
 Which tests cover which module (a change to the module runs these first):
 
@@ -40,6 +41,7 @@ job/export.py                      test_export, test_s3_export
 job/logs.py                        test_rejections_and_logs, test_s3_job (no secrets)
 job/plan.py, inspect.py            test_shards_roundtrip, test_regeneration
 job/compare.py                     test_vllm_tp
+job/bench.py                       test_bench (the write path's groups, without vLLM)
 Dockerfile, k8s/                   test_container, test_sigterm
 =================================  ===================================================================
 """
@@ -56,6 +58,30 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# The two ways "not installed" looks to importlib: nothing found (find_spec returns None), or an
+# import hook that refuses the name (find_spec raises ModuleNotFoundError).
+NO_VLLM = {
+    "absent": "import sys\nsys.modules['vllm'] = None\n",
+    "refused": (
+        "import sys\n"
+        "class RefuseVllm:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'vllm' or name.startswith('vllm.'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, RefuseVllm())\n"
+    ),
+}
+
+
+def hide_vllm(directory: Path, how: str = "refused") -> str:
+    """A PYTHONPATH under which ``import vllm`` fails the ``NO_VLLM[how]`` way (a sitecustomize)."""
+    site = directory / f"no-vllm-{how}"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(NO_VLLM[how])
+    return os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+
 
 # Settings that make a CPU run as cheap as it gets without changing what is tested:
 # no tokenizer process to spawn (it re-imports transformers, ~3 s) and float32, which

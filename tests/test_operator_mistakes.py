@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import NO_VLLM, hide_vllm
 
 from job.checksum import crc64nvme_file
 from job.errors import DamagedShard
@@ -315,28 +316,9 @@ def test_vllm_max_length_at_its_limit_writes_the_truncated_sample_whole(
     assert_truncated_to(out, POSITIONS - 1)
 
 
-# The two ways "not installed" looks to importlib: nothing found (find_spec returns None), or an
-# import hook that refuses the name (find_spec raises ModuleNotFoundError).
-NO_VLLM = {
-    "absent": "import sys\nsys.modules['vllm'] = None\n",
-    "refused": (
-        "import sys\n"
-        "class RefuseVllm:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'vllm' or name.startswith('vllm.'):\n"
-        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-        "        return None\n"
-        "sys.meta_path.insert(0, RefuseVllm())\n"
-    ),
-}
-
-
 @pytest.mark.parametrize("how", sorted(NO_VLLM))
 def test_vllm_backend_without_vllm(run_job: Callable[..., Any], data: Path, tmp_path: Path, how: str) -> None:
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(NO_VLLM[how])
-    pythonpath = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    pythonpath = hide_vllm(tmp_path, how)
     probe = subprocess.run(
         [sys.executable, "-c", "import vllm"],
         env={**os.environ, "PYTHONPATH": pythonpath},
