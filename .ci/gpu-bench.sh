@@ -4,7 +4,7 @@
 # usage: bash .ci/gpu-bench.sh llama-3.1-8b|qwen3-8b [extra `python -m job bench` args]
 set -o pipefail
 source .devbundle/bin/vllm_env.sh || exit 1
-[ -d /tmp/site/pydantic_settings ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+bash .ci/gpu-wheels.sh .whl /tmp/site || exit 1
 export PYTHONPATH=/tmp/site:$PYTHONPATH JOB_CACHE_DIR=/tmp/jc
 M=$1; shift
 python3 -m job bench --model $M --groups job,plain,native,hf --work-dir /tmp/eb --out $OUT --timeout 280 "$@" 2>&1 | grep -v '^{"event": "bench_inputs"' | tail -30

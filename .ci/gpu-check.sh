@@ -10,7 +10,7 @@
 # Run from the checkout's root: bash .ci/gpu-check.sh  (log in $OUT/gpu_check.log)
 set -o pipefail
 source .devbundle/bin/vllm_env.sh || exit 1
-[ -d /tmp/site/pydantic_settings ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+bash .ci/gpu-wheels.sh .whl /tmp/site || exit 1
 export PYTHONPATH=/tmp/site:$PYTHONPATH JOB_CACHE_DIR=/tmp/jc
 L=$OUT/gpu_check.log
 C="--data.max_length=1024 --output.shard_bytes=4MiB --log.format=json"

@@ -40,8 +40,7 @@ within() { budget "$1" && shift && timeout "$limit" "$@" >>"$L" 2>&1; }
 step "setup: $(nproc) CPUs ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)), $(uname -m), $(python3 --version 2>&1)"
 [ "$(uname -m)" = x86_64 ] || { echo "weed.xz is an x86_64 binary" | tee -a "$L"; exit 1; }
 if [ "${GPU_S3_INSTALL:-1}" = 1 ]; then
-  [ -d /tmp/s3site/boto3 ] || python3 -m pip install -q --no-index --no-deps --no-compile \
-    --target /tmp/s3site .whl-s3/*.whl >>"$L" 2>&1 || { echo "wheel install failed; see $L"; exit 1; }
+  bash .ci/gpu-wheels.sh .whl-s3 /tmp/s3site >>"$L" 2>&1 || { echo "wheel install failed; see $L"; exit 1; }
   export PYTHONPATH=/tmp/s3site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}

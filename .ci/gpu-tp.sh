@@ -6,7 +6,7 @@
 set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 source .devbundle/bin/vllm_env.sh || exit 1
-[ -d /tmp/site/pydantic_settings ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+bash .ci/gpu-wheels.sh .whl /tmp/site || exit 1
 export PYTHONPATH=/tmp/site:$PYTHONPATH JOB_CACHE_DIR=/tmp/jc
 N=${1:-2}
 L=$OUT/gpu_tp.log
