@@ -99,9 +99,10 @@ class Pipeline:
 
     def open(self, number: int, members: list[EncodedSample]) -> ShardPlan:
         plan = ShardPlan(number, members)
-        staged = self.store.stage_shard(plan.name, self.writer.layout(plan).total_bytes)
+        layout = self.writer.layout(plan)
+        staged = self.store.stage_shard(plan.name, layout.total_bytes)
         assert staged is not None
-        self.writer.open(plan, staged)
+        self.writer.open(plan, staged, layout)
         return plan
 
     def close(self) -> None:
@@ -254,9 +255,10 @@ def test_finished_shards_carry_what_the_committer_needs(tmp_path: Path) -> None:
     writer = ShardWriter(CONTEXT, finished.append, direct_io=False)
     members = samples(2, 2)
     plan = ShardPlan(5, members)
-    staged = store.stage_shard(plan.name, writer.layout(plan).total_bytes)
+    layout = writer.layout(plan)
+    staged = store.stage_shard(plan.name, layout.total_bytes)
     assert staged is not None
-    writer.open(plan, staged)
+    writer.open(plan, staged, layout)
     for sample in members:
         writer.write_rows(sample.sample_id, 0, rows_of(sample).view(torch.uint8).numpy().data)
     writer.finish_sample("s1", "bad")

@@ -23,7 +23,7 @@ from job.hidden_dtype import hidden_dtype
 from job.shards import open_shard
 from job.shards.planner import ShardPlan
 from job.shards.writer import FinishedShard, ShardContext, ShardWriter, _filesystem_type
-from job.storage.staging import StagedShard, StagingArea
+from job.storage.staging import StagingArea
 from job.worker.ring import Ring, header_bytes
 
 LAYERS, HIDDEN = 4, 512  # bf16 rows of 4 KiB
@@ -36,10 +36,12 @@ CONTEXT = ShardContext(
 )
 
 
-def _staged(directory: Path, plan: ShardPlan, writer: ShardWriter) -> StagedShard:
-    staged = StagingArea(directory, limit=None).reserve(plan.name, writer.layout(plan).total_bytes)
+def _open(directory: Path, plan: ShardPlan, writer: ShardWriter) -> None:
+    """Stage ``plan``'s shard in ``directory`` and open it, as the runner's feed does."""
+    layout = writer.layout(plan)
+    staged = StagingArea(directory, limit=None).reserve(plan.name, layout.total_bytes)
     assert staged is not None
-    return staged
+    writer.open(plan, staged, layout)
 
 
 def _samples() -> list[EncodedSample]:
@@ -79,7 +81,7 @@ def _write(
     finished: list[FinishedShard] = []
     writer = ShardWriter(CONTEXT, finished.append, direct_io=direct_io)
     plan = ShardPlan(0, samples)
-    writer.open(plan, _staged(directory, plan, writer))
+    _open(directory, plan, writer)
     # Samples interleaved chunk by chunk, as rows of several requests arrive per step.
     lengths = {s.sample_id: s.num_tokens for s in samples}
     position = dict.fromkeys(lengths, 0)
@@ -175,7 +177,7 @@ def test_page_aligned_memory_of_an_odd_length_is_not_written_directly(tmp_path: 
     samples = _samples()[:1]
     writer = ShardWriter(CONTEXT, lambda _finished: None, direct_io=True)
     plan = ShardPlan(0, samples)
-    writer.open(plan, _staged(tmp_path, plan, writer))
+    _open(tmp_path, plan, writer)
     shard = writer._open[0]
     odd = mmap.mmap(-1, 4096)
     odd[:100] = os.urandom(100)

@@ -161,11 +161,10 @@ def _repack(
     finished: list[FinishedShard] = []
     writer = ShardWriter(context, finished.append, direct_io=direct_io)
     # Beside the original, outside any budget: the original's reservation covers the larger file.
-    target = StagingArea(staged.path.parent, limit=None).reserve(
-        staged.name + ".repack", writer.layout(repacked).total_bytes
-    )
+    layout = writer.layout(repacked)
+    target = StagingArea(staged.path.parent, limit=None).reserve(staged.name + ".repack", layout.total_bytes)
     assert target is not None
-    writer.open(repacked, target)
+    writer.open(repacked, target, layout)
     with safe_open(str(staged.path), framework="pt") as src:
         hidden = src.get_slice("hidden_states")
         scales = src.get_slice("hidden_states_scale") if "hidden_states_scale" in src.keys() else None  # noqa: SIM118

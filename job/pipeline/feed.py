@@ -89,9 +89,9 @@ class BackendFeed:
             yield from self._start(plan)
 
     def _start(self, plan: ShardPlan) -> Iterator[BackendInput | None]:
-        nbytes = self._writer.layout(plan).total_bytes
-        while (staged := self._store.stage_shard(plan.name, nbytes, STAGING_POLL_S)) is None:
+        layout = self._writer.layout(plan)
+        while (staged := self._store.stage_shard(plan.name, layout.total_bytes, STAGING_POLL_S)) is None:
             yield None
-        self._writer.open(plan, staged)
+        self._writer.open(plan, staged, layout)
         for sample in plan.samples:
             yield BackendInput(sample.sample_id, sample.input_ids)

@@ -158,12 +158,11 @@ class ShardWriter:
             len(plan.samples), plan.num_tokens, ctx.num_layers, ctx.hidden_size, ctx.dtype, metadata
         )
 
-    def open(self, plan: ShardPlan, staged: StagedShard) -> None:
-        """Create ``plan``'s shard file at ``staged.path``: its header, ids and masks now, rows as
-        they come."""
+    def open(self, plan: ShardPlan, staged: StagedShard, layout: ShardLayout) -> None:
+        """Create ``plan``'s shard file at ``staged.path`` with ``layout`` (``self.layout(plan)``,
+        which sized the staging): its header, ids and masks now, rows as they come."""
         offsets = np.zeros(len(plan.samples) + 1, np.int64)
         np.cumsum([s.num_tokens for s in plan.samples], out=offsets[1:])
-        layout = self.layout(plan)
         path = staged.path
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
