@@ -121,6 +121,8 @@ def test_rows_read_back_exactly_with_the_files_checksum(
         direct = aligned and _supports_direct_io(directory)
         hidden_bytes = sum(LENGTHS) * LAYERS * HIDDEN * 2
         assert finished.direct_bytes == (hidden_bytes if direct else 0), _filesystem_type(str(directory))
+        fell_back = not aligned and _supports_direct_io(directory)  # reported: see test_committer
+        assert finished.buffered_row_bytes == (hidden_bytes if fell_back else 0)
         shard = open_shard(finished.staged.path)
         for i, sample in enumerate(samples):
             got = shard.sample(i)
@@ -157,6 +159,7 @@ def test_rows_from_a_capture_ring_slot_go_to_disk_with_direct_io(
         rows.copy_(torch.randn(rows.shape))
         finished, _ = _write(tmp_path, rows, chunk=64)
         assert finished.direct_bytes == sum(LENGTHS) * LAYERS * HIDDEN * 2
+        assert finished.buffered_row_bytes == 0
     finally:
         ring.close(unlink=True)
 

@@ -58,6 +58,7 @@ class Committer:
         self.error: BaseException | None = None
         self.committed_samples = 0
         self.direct_io_bytes = 0  # of the shards committed by this run
+        self._fallback_reported = False
 
     def submit(self, finished: FinishedShard) -> None:
         """Commit a finished shard in the background (any thread)."""
@@ -129,6 +130,15 @@ class Committer:
             checksum=entry.checksum.value,
             direct_io_bytes=finished.direct_bytes,
         )
+        if finished.buffered_row_bytes and not self._fallback_reported:
+            self._fallback_reported = True  # once a run: the cause is the same for every shard
+            self._log.warning(
+                "direct_io_fallback",
+                shard=entry.name,
+                buffered_row_bytes=finished.buffered_row_bytes,
+                reason="hidden-state rows were not block-aligned in memory, so they went through the page "
+                "cache although the output takes direct I/O (slower, and the commit's fsync writes them)",
+            )
 
     def _commit_sidecar(self, shard: str, records: list[dict[str, Any]]) -> Regenerated:
         """Write and commit the regenerated conversations of a committed shard's samples."""

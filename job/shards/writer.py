@@ -69,6 +69,9 @@ class FinishedShard:
     failed: dict[str, str]  # sample id -> reason (e.g. non-finite values)
     checksum: str  # CRC64NVME of the whole file (base64, as S3 reports it)
     direct_bytes: int  # bytes written with direct I/O
+    # hidden-state rows that took the mapping although the file had a direct I/O descriptor
+    # (rows not block-aligned in memory): a slower path that should not happen
+    buffered_row_bytes: int
 
 
 @dataclass
@@ -86,16 +89,20 @@ class _OpenShard:
     failed: dict[str, str] = field(default_factory=dict)
     pieces: list[tuple[int, int, int]] = field(default_factory=list)  # (offset, length, crc) per write
     direct_bytes: int = 0
+    buffered_row_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     ready: Future = field(default_factory=Future)  # done once prepare() ran (its error, if it failed)
 
-    def put(self, offset: int, values: np.ndarray | memoryview | bytes) -> None:
-        """Write raw bytes at ``offset`` and record their checksum. A write into the mapping first
-        waits until the file is ready (its blocks reserved): a page fault on a full disk is a
-        SIGBUS, which no handler survives, whereas the reservation fails with an error."""
-        self._put(offset, values, wait=True)
+    def put(self, offset: int, values: np.ndarray | memoryview | bytes, rows: bool = False) -> None:
+        """Write raw bytes at ``offset`` and record their checksum (``rows``: hidden-state rows). A
+        write into the mapping first waits until the file is ready (its blocks reserved): a page
+        fault on a full disk is a SIGBUS, which no handler survives, whereas the reservation fails
+        with an error."""
+        self._put(offset, values, wait=True, rows=rows)
 
-    def _put(self, offset: int, values: np.ndarray | memoryview | bytes, wait: bool) -> None:
+    def _put(
+        self, offset: int, values: np.ndarray | memoryview | bytes, wait: bool, rows: bool = False
+    ) -> None:
         source = np.frombuffer(memoryview(values).cast("B"), np.uint8)
         # O_DIRECT needs the memory address, the file offset and the length block-aligned.
         direct = (
@@ -111,6 +118,8 @@ class _OpenShard:
         with self.lock:
             self.pieces.append((offset, source.size, crc))
             self.direct_bytes += source.size if direct else 0
+            if rows and not direct and self.direct_fd is not None:
+                self.buffered_row_bytes += source.size
 
     def prepare(self, first: list[tuple[int, np.ndarray]]) -> None:
         """On the allocator's thread: reserve the file's blocks, then write ``first`` (offset,
@@ -207,7 +216,7 @@ class ShardWriter:
         count = memoryview(rows).nbytes // shard.row_bytes
         if start + count > shard.plan.samples[pos].num_tokens:
             raise ValueError(f"rows {start}..{start + count} exceed sample {sample_id}")
-        shard.put(shard.layout.offsets["hidden_states"] + first_row * shard.row_bytes, rows)
+        shard.put(shard.layout.offsets["hidden_states"] + first_row * shard.row_bytes, rows, rows=True)
         if scales is not None:
             scale_row = self.context.num_layers * SCALE_BYTES
             shard.put(shard.layout.offsets["hidden_states_scale"] + first_row * scale_row, scales)
@@ -230,7 +239,14 @@ class ShardWriter:
                 shard.close()
             checksum = combine_pieces(shard.pieces, shard.layout.total_bytes, shard.staged.path.name)
             self._on_finished(
-                FinishedShard(shard.plan, shard.staged, shard.failed, checksum, shard.direct_bytes)
+                FinishedShard(
+                    shard.plan,
+                    shard.staged,
+                    shard.failed,
+                    checksum,
+                    shard.direct_bytes,
+                    shard.buffered_row_bytes,
+                )
             )
 
     def abandon_open(self) -> list[ShardPlan]:
