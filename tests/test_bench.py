@@ -11,11 +11,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import hide_vllm
 
-pytest_plugins = ["s3_fixtures"]
+pytest.register_assert_rewrite("s3_fixtures")
 
 from s3_fixtures import REPO, TEST_MAX_STAGED_BYTES, job_env  # noqa: E402
+
+pytest_plugins = ["s3_fixtures"]
 
 
 def test_the_write_groups_run_without_vllm_to_disk_and_s3(
