@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Here (not on the GPU machine): .whl/ (ignored by git), the cp312 x86_64 wheels of what the job
+# imports beyond the vLLM 0.26 bundle of ../shared/device/ (that bundle brings torch, vLLM,
+# transformers, pydantic, pyyaml), plus compressed-tensors and loguru for INT4 checkpoints.
+# .ci/gpu-check.sh, gpu-bench.sh and gpu-tp.sh install them there (.ci/gpu-wheels.sh).
+# Usage, from the checkout's root:  bash .ci/gpu-prep.sh   (~30 s, 28 MB)
+# Then carry ".whl" in the call with the bundle's last part (docs/gpu.md).
+set -euo pipefail
+out=.whl
+py=${PY:-python3}
+rm -rf "$out" && mkdir -p "$out"
+plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none)
+for p in manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_28_x86_64 any; do plat+=(--platform "$p"); done
+wheels=(
+  boto3==1.44.8 botocore==1.44.8 s3transfer==0.19.3 jmespath==1.1.0 urllib3==2.8.0
+  python-dateutil==2.9.0.post0 six==1.17.0 awscrt==0.38.0 pydantic-settings==2.16.3
+  python-dotenv==1.2.4 structlog==26.1.0 orjson==3.13.0 psutil==7.2.2 zstandard==0.25.0
+  compressed-tensors==0.17.0 loguru==0.7.3
+)
+$py -m pip download -q --no-deps "${plat[@]}" -d "$out" "${wheels[@]}"
+echo "$out: $(ls "$out" | wc -l) wheels, $(du -sh "$out" | cut -f1)"
