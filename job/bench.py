@@ -246,6 +246,11 @@ def main(argv: list[str]) -> int:
         help="write_s3: a job setting, e.g. output.upload_threads=32 (repeatable)",
     )
     ap.add_argument("--s3-server-pids", default="", help="write_s3: file or comma list of the server's PIDs")
+    ap.add_argument(
+        "--profile-dir",
+        help="plain and job: vLLM's torch profiler over the first timed pass (plain's prompts, the job's "
+        "null pass); per-kernel CUDA time tables and traces go to DIR/plain, DIR/null (rows say profiled)",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if unknown := set(args.write_to.split(",")) - {"disk", "shm", "s3"}:
@@ -460,7 +465,7 @@ def _disk_ceiling(directory: Path, prompts: list[np.ndarray], row_bytes: int, th
         None,
         gb_per_s=round(total / seconds / 1e9, 2),
         bytes_written=total,
-        notes=f"{threads} threads, O_DIRECT, {len(files)} files of 2 GiB, fsync'ed; no engine running",
+        notes=f"{threads} threads, O_DIRECT, {len(files)} files of up to 2 GiB, fsync'ed; no engine running",
     )
 
 
@@ -575,6 +580,21 @@ def _load_prompts(work: Path, name: str) -> list[np.ndarray]:
     return out
 
 
+def _profiler_config(args: argparse.Namespace, config: str) -> dict[str, Any]:
+    """Engine arguments for vLLM's torch profiler into ``--profile-dir``/``config`` (none without it)."""
+    if not args.profile_dir:
+        return {}
+    directory = Path(args.profile_dir).resolve() / config
+    directory.mkdir(parents=True, exist_ok=True)
+    return {
+        "profiler_config": {
+            "profiler": "torch",
+            "torch_profiler_dir": str(directory),
+            "torch_profiler_with_stack": False,
+        }
+    }
+
+
 def _engine_kwargs(args: argparse.Namespace, model_dir: Path, dummy: bool, eager: bool) -> dict[str, Any]:
     positions = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
     wanted = max(args.long_tokens, args.max_tokens) + 1
@@ -658,10 +678,15 @@ def _plain(args: argparse.Namespace, eager: bool) -> dict[str, Any]:
     work = Path(args.work_dir)
     model_dir, dummy = _model_dir(args)
     regular, long = _load_prompts(work, "prompts.jsonl"), _load_prompts(work, "long.jsonl")
-    llm = LLM(**_engine_kwargs(args, model_dir, dummy, eager))
+    llm = LLM(**_engine_kwargs(args, model_dir, dummy, eager), **_profiler_config(args, config))
     _generate(llm, regular[:WARMUP_PROMPTS])
     mode = "eager" if eager else "default compilation and CUDA graphs"
-    rows = [_row(config, regular, _generate(llm, regular)[0], not eager, notes=mode)]
+    if args.profile_dir:
+        llm.start_profile()
+    seconds = _generate(llm, regular)[0]
+    if args.profile_dir:
+        llm.stop_profile()
+    rows = [_row(config, regular, seconds, not eager, notes=mode, profiled=bool(args.profile_dir))]
     if long:
         notes = f"{args.long_tokens}-token prompts, {mode}"
         rows.append(_row(config, long, _generate(llm, long)[0], not eager, notes=notes))
@@ -888,12 +913,14 @@ def _job_settings(
     out: Path | str,
     extra: list[str] | None = None,
     backend_name: str = "vllm",
+    engine_args: dict[str, Any] | None = None,
 ) -> Any:
     """The job's settings for a bench group; ``backend_name`` "hf" where the group hands the job
-    a backend of its own (rows from memory): no engine, so vLLM need not be installed."""
+    a backend of its own (rows from memory): no engine, so vLLM need not be installed;
+    ``engine_args``: added to the engine's arguments."""
     from job.settings import load_settings
 
-    engine_args = {"load_format": "dummy"} if dummy else {}
+    engine_args = {**({"load_format": "dummy"} if dummy else {}), **(engine_args or {})}
     positions = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
     max_length = max(args.long_tokens, args.max_tokens)
     return load_settings(
@@ -1038,7 +1065,14 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work_dir)
     model_dir, dummy = _model_dir(args)
     regular, long = _load_prompts(work, "prompts.jsonl"), _load_prompts(work, "long.jsonl")
-    settings = _job_settings(args, model_dir, dummy, work / "prompts.jsonl", work / "out-disk")
+    settings = _job_settings(
+        args,
+        model_dir,
+        dummy,
+        work / "prompts.jsonl",
+        work / "out-disk",
+        engine_args=_profiler_config(args, "null"),
+    )
     configure_logging(settings.log)
     model = resolve_model(settings.model)
     layer_ids = model.resolve_layer_ids(None)
@@ -1047,20 +1081,18 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
         _realistic_weights(backend)
     extract_all(backend, regular[:WARMUP_PROMPTS])
 
+    if args.profile_dir:
+        backend.executor.collective_rpc("profile", args=(True,))
     start = time.perf_counter()
     for chunk in backend.extract(BackendInput(str(i), p) for i, p in enumerate(regular)):
         if chunk.release is not None:
             chunk.release()
+    seconds = time.perf_counter() - start
+    if args.profile_dir:
+        backend.executor.collective_rpc("profile", args=(False,))
     compiled = not args.job_eager
-    rows = [
-        _row(
-            "null",
-            regular,
-            time.perf_counter() - start,
-            compiled,
-            notes="capture + copy to host, rows dropped",
-        )
-    ]
+    notes = "capture + copy to host, rows dropped"
+    rows = [_row("null", regular, seconds, compiled, notes=notes, profiled=bool(args.profile_dir))]
 
     for config, root in (("job", work), ("job_shm", Path("/dev/shm/eagle3-bench"))):
         out = root / f"out-{config}"
