@@ -175,6 +175,38 @@ def test_a_chunk_larger_than_a_piece_is_written_in_pieces_and_released_once(
     pipe.close()
 
 
+def test_fp8_rows_and_their_scales_are_split_into_the_same_pieces(tmp_path: Path) -> None:
+    """FP8 rows travel with one float32 scale per [token, layer]: a split chunk's pieces must
+    cut both at the same rows."""
+    fp8 = hidden_dtype("fp8_e4m3")
+    metadata = {**CONTEXT.metadata, "dtype": fp8.name, "storage": fp8.encoding}
+    context = ShardContext(LAYERS, HIDDEN, fp8, metadata)
+    store = LocalIndexStore.open(str(tmp_path), 0)
+    committer = Committer(store, new_manifest(), None, context, lambda *_: None, get_logger())
+    writer = ShardWriter(context, committer.submit, direct_io=False)
+    (member,) = samples(40)
+    plan = ShardPlan(0, [member])
+    layout = writer.layout(plan)
+    staged = store.stage_shard(plan.name, layout.total_bytes)
+    assert staged is not None
+    writer.open(plan, staged, layout)
+    states = torch.randn(40, LAYERS, HIDDEN) * torch.logspace(-3, 3, 40)[:, None, None]
+    rows, scales = fp8.encode(states)
+    assert scales is not None
+    router = ChunkRouter(writer, threads=4)
+    router.PIECE_BYTES = 3 * LAYERS * HIDDEN  # three rows of one byte per value
+    router(
+        HiddenChunk(member.sample_id, 0, rows.contiguous(), scales.contiguous(), last=True, nonfinite=False)
+    )
+    router.close()
+    committer.close()
+    manifest = read_manifest(tmp_path / index_dir_name(0))
+    assert manifest is not None and manifest.counts.written == 1
+    got = open_shard(tmp_path / index_dir_name(0) / manifest.shards[0].name).sample(0).hidden_states
+    assert torch.equal(got, (rows.float() * scales.unsqueeze(-1)).to(torch.float32))
+    store.close()
+
+
 def test_a_nonfinite_sample_is_rejected_and_its_shard_repacked(tmp_path: Path) -> None:
     pipe = Pipeline(tmp_path)
     members = samples(6, 9, 4)
