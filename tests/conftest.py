@@ -9,6 +9,7 @@
 * ``job_torch_threads``: in-process torch at the subprocesses' thread count (exact compares).
 * ``write_jsonl`` / ``write_parquet`` / ``read_jsonl``: data set and output files.
 * ``hide_vllm``: a PYTHONPATH under which vLLM cannot be imported.
+* ``vllm_job_env`` / ``run_vllm_job``: a ``python -m job run`` on vLLM's CPU build.
 
 Which tests cover which module (a change to the module runs these first):
 
@@ -73,6 +74,29 @@ NO_VLLM = {
         "sys.meta_path.insert(0, RefuseVllm())\n"
     ),
 }
+
+
+def vllm_job_env(cache: Path, **extra: str) -> dict[str, str]:
+    """The environment of a ``python -m job run`` on vLLM's CPU build: JOB_* of the outer
+    environment dropped, builtin models built in ``cache``, a 1 GiB KV cache, ``extra`` on top."""
+    base = {k: v for k, v in os.environ.items() if not k.upper().startswith("JOB_")}
+    return {**base, "JOB_CACHE_DIR": str(cache), "VLLM_CPU_KVCACHE_SPACE": "1", **extra}
+
+
+def run_vllm_job(
+    args: Sequence[str], cache: Path, timeout: float = 900, **extra: str
+) -> list[dict[str, Any]]:
+    """``python -m job run --log.format=json ARGS`` (environment: ``vllm_job_env``); it must exit
+    0; its JSON events."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "job", "run", "--log.format=json", *args],
+        env=vllm_job_env(cache, **extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
 def hide_vllm(directory: Path, how: str = "refused") -> str:

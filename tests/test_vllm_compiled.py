@@ -11,13 +11,11 @@ compiled mode runs vLLM's native rotary embedding.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_vllm_job
 
 from job.compare import compare_outputs
 
@@ -29,19 +27,6 @@ pytestmark = pytest.mark.vllm
 FLOAT32_TOLERANCE = 1e-5  # worst relative error per sample and layer against HF in float32
 
 
-def _run(args: list[str], cache: Path, **env: str) -> list[dict]:
-    environment = {**os.environ, "JOB_CACHE_DIR": str(cache), "VLLM_CPU_KVCACHE_SPACE": "1", **env}
-    proc = subprocess.run(
-        [sys.executable, "-m", "job", "run", "--log.format=json", *args],
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-
-
 def test_deepseek_v3_captured_compiled_matches_the_reference(tmp_path: Path) -> None:
     common = [
         "--model.path=builtin:tiny-deepseek-v3",
@@ -50,7 +35,7 @@ def test_deepseek_v3_captured_compiled_matches_the_reference(tmp_path: Path) -> 
         "--data.tokenizer_workers=0",
         "--output.shard_bytes=1MiB",
     ]
-    events = _run(
+    events = run_vllm_job(
         [
             *common,
             f"--output.uri={tmp_path / 'vllm'}",
@@ -59,11 +44,12 @@ def test_deepseek_v3_captured_compiled_matches_the_reference(tmp_path: Path) -> 
             "--backend.vllm.max_num_seqs=4",
         ],
         tmp_path / "cache",
+        timeout=1200,  # the tiny DeepSeek-V3 compiles for minutes on two cores
         VLLM_MLA_DISABLE="1",
     )
     installed = next(e for e in events if e["event"] == "capture_installed")
     assert installed["mode"] == "compiled"
-    _run([*common, f"--output.uri={tmp_path / 'hf'}", "--backend.name=hf"], tmp_path / "cache")
+    run_vllm_job([*common, f"--output.uri={tmp_path / 'hf'}", "--backend.name=hf"], tmp_path / "cache")
     result = compare_outputs(tmp_path / "vllm", tmp_path / "hf")
     print(f"tiny DeepSeek-V3, compiled, {installed['layer_sources']}: {result.summary(FLOAT32_TOLERANCE)}")
     assert result.samples > 30 and result.ok(FLOAT32_TOLERANCE), result.summary(FLOAT32_TOLERANCE)

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import run_vllm_job, vllm_job_env
 
 from job.errors import EXIT_TERMINATED
 from job.shards import iter_output
@@ -31,30 +32,13 @@ MAX_REL_ERROR = 2e-2  # per sample and layer, ||a - b|| / ||b||, bf16
 TOKEN_BUDGET = 128  # max_num_batched_tokens: most samples need several steps
 
 
-def _run(args: list[str], cache: Path) -> list[dict]:
-    env = {**os.environ, "JOB_CACHE_DIR": str(cache), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "job", "run", "--log.format=json", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-4000:]
-    events = []
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            events.append(json.loads(line))
-    return events
-
-
 @pytest.fixture(scope="module", params=["compiled", "eager"])
 def outputs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Path, list[dict]]:
     root = tmp_path_factory.mktemp(f"e2e-{request.param}")
     common = ["--data.max_length=512", "--output.shard_bytes=1MiB"]
-    events = _run(
+    events = run_vllm_job(
         [
             *common,
             f"--output.uri={root / 'vllm'}",
@@ -67,7 +51,7 @@ def outputs(
     )
     installed = next(e for e in events if e["event"] == "capture_installed")
     assert installed["mode"] == ("hooks" if request.param == "eager" else "compiled")
-    _run([*common, f"--output.uri={root / 'hf'}", "--backend.name=hf"], root / "cache")
+    run_vllm_job([*common, f"--output.uri={root / 'hf'}", "--backend.name=hf"], root / "cache")
     return root / "vllm", root / "hf", events
 
 
@@ -131,10 +115,9 @@ def test_sigterm_while_the_engine_starts_exits_at_once_and_a_rerun_completes(
         "--backend.vllm.max_num_seqs=4",
     ]
     cache = reference.parent / "cache"
-    env = {**os.environ, "JOB_CACHE_DIR": str(cache), "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "job", "run", "--log.format=json", *args],
-        env=env,
+        env=vllm_job_env(cache, PYTHONUNBUFFERED="1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -162,7 +145,7 @@ def test_sigterm_while_the_engine_starts_exits_at_once_and_a_rerun_completes(
     (stopped,) = [e for e in events if e["event"] == "run_stopped"]
     assert stopped["phase"] == "engine_startup" and stopped["signal"] == "SIGTERM"
     assert not left, f"child processes outlived the job: {left}"
-    _run(args, cache)
+    run_vllm_job(args, cache)
     written = sorted(s.sample_id for s in iter_output(out))
     assert written == sorted(s.sample_id for s in iter_output(reference))
     print(f"\nSIGTERM during the engine's start-up: exit {rc} after {seconds_to_exit:.2f} s")

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import run_vllm_job, vllm_job_env
 
 from job.shards import iter_output
 
@@ -23,6 +24,7 @@ if os.environ.get("REQUIRE_VLLM") != "1":
 pytestmark = pytest.mark.vllm
 
 MAX_REL_ERROR = 1e-4  # float32 on both sides
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the tiny model gains nothing from more
 COMMON = (
     "--model.path=builtin:tiny-chatml",
     "--model.dtype=float32",
@@ -50,27 +52,8 @@ def records() -> list[dict[str, Any]]:
     return out
 
 
-def env(cache: Path, **extra: str) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("JOB_")}
-    return {
-        **base,
-        "JOB_CACHE_DIR": str(cache),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "OMP_NUM_THREADS": "1",
-        **extra,
-    }
-
-
 def run(args: list[str], cache: Path, **extra: str) -> list[dict[str, Any]]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "job", "run", *args],
-        env=env(cache, **extra),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return run_vllm_job(args, cache, **ONE_THREAD, **extra)
 
 
 def samples(index_dir: Path) -> dict[str, Any]:
@@ -142,7 +125,7 @@ def test_seeded_sampling_ignores_batching_and_survives_kill_9(
     killed = [*base, f"--output.uri={tmp_path / 'killed'}", "--backend.vllm.max_num_seqs=2"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "job", "run", *killed],
-        env=env(cache),
+        env=vllm_job_env(cache, **ONE_THREAD),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -7,13 +7,11 @@ extension and rank-0-only capture with two ranks, which is what can be checked h
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_vllm_job
 
 from job.compare import compare_outputs
 
@@ -25,21 +23,7 @@ pytestmark = pytest.mark.vllm
 
 def _run(args: list[str], cache: Path) -> list[dict]:
     # One core per rank: vLLM's automatic binding wants a NUMA node per CPU worker.
-    env = {
-        **os.environ,
-        "JOB_CACHE_DIR": str(cache),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "job", "run", "--log.format=json", "--data.max_length=256", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return run_vllm_job(["--data.max_length=256", *args], cache, VLLM_CPU_OMP_THREADS_BIND="0|1")
 
 
 def test_two_tensor_parallel_ranks_capture_once_and_match_the_reference(tmp_path: Path) -> None:
