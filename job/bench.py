@@ -430,18 +430,20 @@ def _disk_ceiling(directory: Path, prompts: list[np.ndarray], row_bytes: int, th
     could reach on this disk at this row size."""
     import mmap
 
+    from job.shards.format import DATA_ALIGNMENT
+    from job.shards.writer import pwrite_all
+
     shard, piece = 2 * 2**30, 64 * 2**20
-    total = -(-int(sum(len(p) for p in prompts)) * row_bytes // 4096) * 4096  # O_DIRECT: whole blocks
+    blocks = -(-int(sum(len(p) for p in prompts)) * row_bytes // DATA_ALIGNMENT)
+    total = blocks * DATA_ALIGNMENT  # O_DIRECT writes whole blocks
     source = mmap.mmap(-1, piece)  # anonymous: page-aligned
     source.write(os.urandom(piece))
+    data = np.frombuffer(source, np.uint8)
     files: list[Path] = []
 
     def fill(fd: int, offsets: list[int], size: int) -> None:
         for offset in offsets:
-            view = memoryview(source)[: min(piece, size - offset)]
-            while view:
-                offset += (n := os.pwrite(fd, view, offset))
-                view = view[n:]
+            pwrite_all(fd, data[: min(piece, size - offset)], offset)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:

@@ -109,7 +109,7 @@ class _OpenShard:
             self.direct_fd is not None and (source.ctypes.data | offset | source.size) % DATA_ALIGNMENT == 0
         )
         if direct:  # a full disk fails the write itself with ENOSPC
-            _pwrite_all(self.direct_fd, source, offset)
+            pwrite_all(self.direct_fd, source, offset)
         else:
             if wait:
                 self.ready.result()
@@ -289,7 +289,8 @@ def _filesystem_type(directory: str) -> str:
     return max(mounts, key=lambda m: len(m.mountpoint)).fstype if mounts else ""
 
 
-def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
+def pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (pwrite may write less than asked)."""
     view = memoryview(data)
     while view:
         n = os.pwrite(fd, view, offset)
