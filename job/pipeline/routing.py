@@ -6,6 +6,7 @@ written, and rejected if any row was non-finite."""
 
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,7 +53,7 @@ class ChunkRouter:
     def __call__(self, chunk: HiddenChunk) -> None:
         """Queue one chunk for writing (blocks while MAX_IN_FLIGHT pieces wait)."""
         sample_id, count = chunk.sample_id, int(chunk.rows.shape[0])
-        row_bytes = max(1, chunk.rows[:1].numel() * chunk.rows.element_size())
+        row_bytes = math.prod(chunk.rows.shape[1:]) * chunk.rows.element_size()
         step = max(1, self.PIECE_BYTES // row_bytes)
         starts = range(0, count, step) if count else range(1)
         pieces = _Pieces(chunk, len(starts))
