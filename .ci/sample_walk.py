@@ -14,14 +14,15 @@ again after leaving. Use ``--data.tokenizer_workers=0`` (tokenizer processes are
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import threading
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
-JOB = str(Path(__file__).resolve().parent.parent / "job") + "/"
-CO_GENERATOR = 0x20
+REPO = Path(__file__).resolve().parent.parent
+JOB = str(REPO / "job") + "/"
 
 
 class Walk:
@@ -65,7 +66,7 @@ class Walk:
         if event != "call" or not code.co_filename.startswith(JOB) or "/worker/" in code.co_filename:
             return
         # A generator's first call has its lowest offset; later "call" events are resumptions.
-        if code.co_flags & CO_GENERATOR and frame.f_lasti != self._first_offset.setdefault(
+        if code.co_flags & inspect.CO_GENERATOR and frame.f_lasti != self._first_offset.setdefault(
             code, frame.f_lasti
         ):
             return
@@ -73,7 +74,7 @@ class Walk:
         local = frame.f_locals
         try:
             if any(a != "self" and a in local and self._holds(local[a]) for a in arguments):
-                self.calls.append((code.co_filename[len(JOB) - 4 :], code.co_name))
+                self.calls.append((str(Path(code.co_filename).relative_to(REPO)), code.co_name))
         except Exception:  # a value whose attributes cannot be read holds nothing we follow
             return
 
@@ -98,7 +99,7 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     walk = Walk(argv[0])
-    sys.path.insert(0, str(Path(JOB).parent))
+    sys.path.insert(0, str(REPO))
     from job.cli import main as job_main
 
     threading.setprofile(walk.profile)
