@@ -28,6 +28,7 @@ import threading
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from adapters import AdapterSet
 from job.hidden_dtype import HiddenDtype
@@ -238,12 +239,13 @@ class StepCapture:
             output = self._original_execute_model(scheduler_output, *args, **kwargs)
         finally:
             self.active = False
-        if self.mode == COMPILED:
-            self._gather_compiled(n)
-        runner = self.worker.model_runner
-        input_ids, positions = self.adapters.step_inputs(runner)
-        self.current.input_ids[:n].copy_(input_ids[:n])
-        self.current.positions[:n].copy_(positions[:n])
+        with record_function("eagle3_capture: gather"):
+            if self.mode == COMPILED:
+                self._gather_compiled(n)
+            runner = self.worker.model_runner
+            input_ids, positions = self.adapters.step_inputs(runner)
+            self.current.input_ids[:n].copy_(input_ids[:n])
+            self.current.positions[:n].copy_(positions[:n])
         self._ship(self.adapters.step_token_order(runner, scheduler_output))
         return output
 
@@ -252,7 +254,8 @@ class StepCapture:
         if sum(count for _, count in order) != n:
             raise RuntimeError(f"batch order covers {sum(c for _, c in order)} tokens, step has {n}")
         try:
-            slot = self.ring.wait_free(step, SLOT_WAIT_S)
+            with record_function("eagle3_capture: wait for a free slot"):
+                slot = self.ring.wait_free(step, SLOT_WAIT_S)
         except TimeoutError as exc:
             self.ring.report_error(str(exc))
             raise
@@ -266,7 +269,7 @@ class StepCapture:
             compute = torch.cuda.current_stream(self.device)
             ready = torch.cuda.Event()
             ready.record(compute)
-            with torch.cuda.stream(self.copy_stream):
+            with torch.cuda.stream(self.copy_stream), record_function("eagle3_capture: copy out"):
                 self.copy_stream.wait_event(ready)
                 keep = _fill_slot(
                     slot, buffers.states[:n], buffers.input_ids[:n], buffers.positions[:n], self.spec.dtype
