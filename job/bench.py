@@ -39,7 +39,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -684,6 +684,8 @@ def _plain(args: argparse.Namespace, eager: bool) -> dict[str, Any]:
     model_dir, dummy = _model_dir(args)
     regular, long = _load_prompts(work, "prompts.jsonl"), _load_prompts(work, "long.jsonl")
     llm = LLM(**_engine_kwargs(args, model_dir, dummy, eager), **_profiler_config(args, config))
+    if dummy:
+        _realistic_weights(llm.collective_rpc)
     _generate(llm, regular[:WARMUP_PROMPTS])
     mode = "eager" if eager else "default compilation and CUDA graphs"
     if args.profile_dir:
@@ -734,6 +736,8 @@ def _worker_native(args: argparse.Namespace) -> dict[str, Any]:
             "kv_connector_extra_config": {"shared_storage_path": str(store)},
         },
     )
+    if dummy:
+        _realistic_weights(llm.collective_rpc)
     _generate(llm, regular[:WARMUP_PROMPTS])
     shutil.rmtree(store, ignore_errors=True)
     start = time.perf_counter()
@@ -951,9 +955,11 @@ def _job_settings(
     )
 
 
-def _realistic_weights(backend: Any) -> None:
-    """Dummy weights are U(-1e-3, 1e-3) everywhere, norms included; give the
-    spot check activations of a realistic scale (throughput is unaffected)."""
+def _realistic_weights(collective_rpc: Callable[..., Any]) -> None:
+    """Dummy weights are U(-1e-3, 1e-3) everywhere, norms included; give the spot check
+    activations of a realistic scale. Every engine a comparison times gets the same weights
+    (``collective_rpc`` of the job's executor or of an ``LLM``): an MoE router's weights decide
+    how tokens spread over the experts, and with that the MoE kernels' time."""
     import torch
 
     def reinit(worker: Any) -> None:
@@ -966,7 +972,7 @@ def _realistic_weights(backend: Any) -> None:
             else:
                 param.data.normal_(0.0, 0.02, generator=generator)
 
-    backend.executor.collective_rpc(reinit)
+    collective_rpc(reinit)
 
 
 def _hf_reference_in_worker(
@@ -1083,7 +1089,7 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     layer_ids = model.resolve_layer_ids(None)
     backend = VllmBackend(settings, model, layer_ids, hidden_dtype(model.dtype))
     if dummy:
-        _realistic_weights(backend)
+        _realistic_weights(backend.executor.collective_rpc)
     extract_all(backend, regular[:WARMUP_PROMPTS])
 
     if args.profile_dir:
