@@ -4,9 +4,10 @@
 usage: python .ci/profile_gaps.py DIR [--out FILE.json]
 
 Per trace: the profiled window (first to last vLLM step annotation), the GPU's busy time in it
-(union of kernels, copies and memsets over all streams), its idle gaps, the step annotations'
-CPU time, the largest kernels and CUDA runtime calls; then the kernels and runtime calls whose
-total time grew most from plain to null. Plain and null run the same prompts, so totals compare.
+(union of kernels, copies and memsets over all streams), its idle gaps, the step annotations' CPU
+time and the GPU time of the work each step launched, the largest kernels and CUDA runtime calls;
+then the kernels and runtime calls whose total time grew most from plain to null. Plain and null
+run the same prompts, so totals compare.
 """
 
 from __future__ import annotations
@@ -59,6 +60,29 @@ def totals(events: list[dict[str, Any]], top: int) -> list[dict[str, Any]]:
     return [{"name": n, "ms": round(t / 1e3, 2), "calls": c} for n, (t, c) in ranked]
 
 
+def step_gpu_ms(steps: list[dict[str, Any]], events: list[dict[str, Any]]) -> list[float | None]:
+    """Per step: the GPU busy time of the work its annotation launched, found through the CUDA
+    runtime calls made inside the annotation on its thread and their correlation ids (a CUDA
+    graph launch is one call, many kernels). None where a step launched nothing."""
+    by_correlation: dict[Any, list[dict[str, Any]]] = collections.defaultdict(list)
+    for e in events:
+        if e.get("cat") in GPU_CATEGORIES and "correlation" in (e.get("args") or {}):
+            by_correlation[e["args"]["correlation"]].append(e)
+    calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    result: list[float | None] = []
+    for step in steps:
+        end = step["ts"] + step["dur"]
+        launched = [
+            g
+            for c in calls
+            if c.get("tid") == step.get("tid") and step["ts"] <= c["ts"] <= end
+            for g in by_correlation.get((c.get("args") or {}).get("correlation"), [])
+        ]
+        busy, _ = union_us([(g["ts"], g["ts"] + g["dur"]) for g in launched])
+        result.append(round(busy / 1e3, 1) if launched else None)
+    return result
+
+
 def summarize(directory: Path) -> dict[str, Any]:
     events = load_events(directory)
     steps = [e for e in events if e.get("cat") == "user_annotation" and STEP.match(e["name"])]
@@ -94,6 +118,7 @@ def summarize(directory: Path) -> dict[str, Any]:
         "step_cpu_ms": [round(e["dur"] / 1e3, 1) for e in steps],
         "step_period_ms": [round(p / 1e3, 1) for p in periods],
         "step_tokens": tokens,
+        "step_gpu_ms": step_gpu_ms(steps, events),
         "kernels": totals([e for e in in_window if e.get("cat") == "kernel"], 25),
         "runtime": totals([e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")], 15),
         "cpu_ops": totals([e for e in events if e.get("cat") == "cpu_op"], 15),
@@ -133,6 +158,8 @@ def main() -> None:
         )
         print(f"  step period ms: {part['step_period_ms']}")
         print(f"  step cpu ms:    {part['step_cpu_ms']}")
+        print(f"  step tokens:    {part['step_tokens']}")
+        print(f"  step GPU ms:    {part['step_gpu_ms']}")
         print(f"  streams: {part['stream_busy_ms']}  memcpy bytes: {part['memcpy_bytes']}")
     for key in ("kernel_growth", "runtime_growth", "cpu_op_growth", "annotation_growth"):
         print(key)

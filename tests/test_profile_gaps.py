@@ -44,9 +44,12 @@ def test_busy_time_gaps_steps_and_growth(tmp_path: Path) -> None:
         tmp_path / "null",
         [
             *steps,
-            _event("kernel", "gemm", 10, 900, stream=7),
-            _event("kernel", "gemm", 1010, 900, stream=7),
-            _event("kernel", "copy", 500, 600, stream=21),  # overlaps the first gemm: not extra busy time
+            _event("cuda_runtime", "cudaGraphLaunch", 5, 3, correlation=1),  # inside step 1
+            _event("cuda_runtime", "cudaLaunchKernel", 1002, 3, correlation=2),  # inside step 2
+            _event("kernel", "gemm", 10, 900, stream=7, correlation=1),
+            _event("kernel", "gemm", 1010, 900, stream=7, correlation=2),
+            # overlaps the first gemm: not extra busy time; launched in step 1
+            _event("kernel", "copy", 500, 600, stream=21, correlation=1),
             _event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 1100, 100, stream=21, bytes=4096),
             _event("user_annotation", "eagle3_capture: gather", 60, 50),
         ],
@@ -58,6 +61,8 @@ def test_busy_time_gaps_steps_and_growth(tmp_path: Path) -> None:
     assert plain["window_ms"] == 1.9 and plain["gpu_busy_ms"] == 1.8  # 0..1910 us, 100 us idle
     assert plain["gpu_gaps_over_0.5ms"]["count"] == 0  # the 100 us gap is below the threshold
     assert null["gpu_busy_ms"] == 1.9  # the copy and memcpy fill 910..1010, the rest overlaps
+    assert null["step_gpu_ms"] == [1.1, 0.9]  # step 1's gemm and copy (10..1100), step 2's gemm
+    assert plain["step_gpu_ms"] == [None, None]  # no runtime calls recorded: nothing to attribute
     assert null["memcpy_bytes"] == {"Memcpy DtoH (Device -> Pinned)": 4096}
     growth = gaps.growth(plain["kernels"], null["kernels"])
     assert growth[0] == {"name": "copy", "null_ms": 0.6, "plain_ms": 0.0, "extra_ms": 0.6}
