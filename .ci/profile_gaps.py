@@ -5,9 +5,9 @@ usage: python .ci/profile_gaps.py DIR [--out FILE.json]
 
 Per trace: the profiled window (first to last vLLM step annotation), the GPU's busy time in it
 (union of kernels, copies and memsets over all streams), its idle gaps, the step annotations' CPU
-time and the GPU time of the work each step launched, the largest kernels and CUDA runtime calls;
-then the kernels and runtime calls whose total time grew most from plain to null. Plain and null
-run the same prompts, so totals compare.
+time and the GPU time of the work each step launched, the time per kernel, CUDA runtime call,
+CPU op and range; then the names whose total time grew most from plain to null. Plain and null run
+the same prompts, so totals compare.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+RUNTIME_CATEGORIES = {"cuda_runtime", "cuda_driver"}
 STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 GAP_US = 500.0
 
@@ -50,13 +51,14 @@ def union_us(intervals: list[tuple[float, float]]) -> tuple[float, list[float]]:
     return busy, gaps
 
 
-def totals(events: list[dict[str, Any]], top: int) -> list[dict[str, Any]]:
+def totals(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Time and calls per event name, largest first (all names: ``growth`` needs plain's whole list)."""
     by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     for e in events:
         entry = by_name[e["name"][:120]]
         entry[0] += e["dur"]
         entry[1] += 1
-    ranked = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][0])
     return [{"name": n, "ms": round(t / 1e3, 2), "calls": c} for n, (t, c) in ranked]
 
 
@@ -68,7 +70,7 @@ def step_gpu_ms(steps: list[dict[str, Any]], events: list[dict[str, Any]]) -> li
     for e in events:
         if e.get("cat") in GPU_CATEGORIES and "correlation" in (e.get("args") or {}):
             by_correlation[e["args"]["correlation"]].append(e)
-    calls = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    calls = [e for e in events if e.get("cat") in RUNTIME_CATEGORIES]
     result: list[float | None] = []
     for step in steps:
         end = step["ts"] + step["dur"]
@@ -85,9 +87,10 @@ def step_gpu_ms(steps: list[dict[str, Any]], events: list[dict[str, Any]]) -> li
 
 def summarize(directory: Path) -> dict[str, Any]:
     events = load_events(directory)
-    steps = [e for e in events if e.get("cat") == "user_annotation" and STEP.match(e["name"])]
-    steps.sort(key=lambda e: e["ts"])
-    tokens = [int(m.group(2)) + int(m.group(4)) for m in (STEP.match(e["name"]) for e in steps)]
+    annotations = [(e, STEP.match(e["name"])) for e in events if e.get("cat") == "user_annotation"]
+    matched = sorted(((e, m) for e, m in annotations if m), key=lambda pair: pair[0]["ts"])
+    steps = [e for e, _ in matched]
+    tokens = [int(m.group(2)) + int(m.group(4)) for _, m in matched]
     gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
     window = (steps[0]["ts"], max(e["ts"] + e["dur"] for e in steps + gpu)) if steps else (0.0, 0.0)
     in_window = [e for e in gpu if window[0] <= e["ts"] <= window[1]]
@@ -119,16 +122,15 @@ def summarize(directory: Path) -> dict[str, Any]:
         "step_period_ms": [round(p / 1e3, 1) for p in periods],
         "step_tokens": tokens,
         "step_gpu_ms": step_gpu_ms(steps, events),
-        "kernels": totals([e for e in in_window if e.get("cat") == "kernel"], 25),
-        "runtime": totals([e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")], 15),
-        "cpu_ops": totals([e for e in events if e.get("cat") == "cpu_op"], 15),
-        "annotations": totals(
-            [e for e in events if e.get("cat") == "user_annotation" and not STEP.match(e["name"])], 15
-        ),
+        "kernels": totals([e for e in in_window if e.get("cat") == "kernel"]),
+        "runtime": totals([e for e in events if e.get("cat") in RUNTIME_CATEGORIES]),
+        "cpu_ops": totals([e for e in events if e.get("cat") == "cpu_op"]),
+        "annotations": totals([e for e, m in annotations if not m]),
     }
 
 
 def growth(plain: list[dict[str, Any]], null: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The 12 names whose time grew most from plain to null (0 for a name plain never ran)."""
     before = {row["name"]: row["ms"] for row in plain}
     rows = [{"name": r["name"], "null_ms": r["ms"], "plain_ms": before.get(r["name"], 0.0)} for r in null]
     for row in rows:

@@ -68,3 +68,15 @@ def test_busy_time_gaps_steps_and_growth(tmp_path: Path) -> None:
     assert growth[0] == {"name": "copy", "null_ms": 0.6, "plain_ms": 0.0, "extra_ms": 0.6}
     assert {row["name"]: row["extra_ms"] for row in growth}["gemm"] == 0.0
     assert null["annotations"] == [{"name": "eagle3_capture: gather", "ms": 0.05, "calls": 1}]
+
+
+def test_growth_counts_what_plain_ran_below_its_largest_kernels(tmp_path: Path) -> None:
+    step = _event("user_annotation", "execute_context_1(100)_generation_0(0)", 0, 10)
+    large = [_event("kernel", f"k{i}", 10 + 2000 * i, 1000 + i) for i in range(30)]
+    _write_trace(tmp_path / "plain", [step, *large, _event("kernel", "small", 70000, 100)])
+    _write_trace(tmp_path / "null", [step, *large, _event("kernel", "small", 70000, 400)])
+    gaps = _module()
+    plain, null = gaps.summarize(tmp_path / "plain"), gaps.summarize(tmp_path / "null")
+    top = gaps.growth(plain["kernels"], null["kernels"])[0]
+    # plain ran "small" as its 31st kernel by time: it grew by 0.3 ms, not by all of its 0.4
+    assert top == {"name": "small", "null_ms": 0.4, "plain_ms": 0.1, "extra_ms": 0.3}
