@@ -43,6 +43,7 @@ job/logs.py                        test_rejections_and_logs, test_s3_job (no sec
 job/plan.py, inspect.py            test_shards_roundtrip, test_regeneration
 job/compare.py                     test_vllm_tp
 job/bench.py                       test_bench (the write path's groups, without vLLM)
+.ci/profile_gaps.py                test_profile_gaps
 Dockerfile, k8s/                   test_container, test_sigterm
 =================================  ===================================================================
 """
