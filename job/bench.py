@@ -7,8 +7,8 @@ memory are its own):
 * ``plain``  vLLM ``LLM.generate``, max_tokens=1, no capture, vLLM's default compilation and
   CUDA graphs (the ceiling); ``plain_eager``: the same with ``enforce_eager``;
 * ``null``   this job's vLLM backend, capture + device-to-host copy, rows dropped;
-* ``job``    this job, writing real shards to local disk (``job_shm``: to /dev/shm); compiled
-  capture unless ``--job-eager``;
+* ``job``    this job, writing real shards to local disk (``job_shm``: to /dev/shm; ``--write-to``
+  picks them); compiled capture unless ``--job-eager``;
 * ``native`` vLLM's ``extract_hidden_states`` + ``ExampleHiddenStatesConnector``;
 * ``hf``     the HF reference backend, batch 1, on fewer prompts;
 * ``regenerate``  generation (generate.mode last_turn, ``--max-new-tokens``, temperature
@@ -231,7 +231,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default="docs/benchmarks", help="results.jsonl, <run>.md and <run>.png go here")
     ap.add_argument("--timeout", type=int, default=420, help="seconds per group")
     ap.add_argument(
-        "--write-to", default="disk,shm", help="the write group's targets: comma list of disk,shm,s3"
+        "--write-to",
+        default="disk,shm",
+        help="the write group's targets: comma list of disk,shm,s3 (the job group: its disk and shm)",
     )
     ap.add_argument(
         "--s3-uri",
@@ -1105,7 +1107,9 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     notes = "capture + copy to host, rows dropped"
     rows = [_row("null", regular, seconds, compiled, notes=notes, profiled=bool(args.profile_dir))]
 
-    for config, root in (("job", work), ("job_shm", Path("/dev/shm/eagle3-bench"))):
+    targets = {"disk": ("job", work), "shm": ("job_shm", Path("/dev/shm/eagle3-bench"))}
+    chosen = [targets[t] for t in args.write_to.split(",") if t in targets]
+    for config, root in chosen:
         out = root / f"out-{config}"
         shutil.rmtree(out, ignore_errors=True)
         if config == "job":  # what this disk takes when nothing else runs, for as many bytes as the job
@@ -1118,7 +1122,8 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
                 config, regular, totals, f"{capture}; shards on {root}, 2 GiB each, checksummed", compiled
             )
         )
-        if config == "job" and args.tensor_parallel_size == 1:  # the in-worker reference needs whole weights
+        # On the first target's output; the in-worker reference needs whole weights.
+        if config == chosen[0][0] and args.tensor_parallel_size == 1:
             try:
                 rows[-1].update(_spot_check(backend, model, layer_ids, out, dummy))
             except Exception as exc:  # the throughput figures stand; the check's failure is reported
