@@ -247,6 +247,13 @@ def main(argv: list[str]) -> int:
         metavar="KEY=VALUE",
         help="write_s3: a job setting, e.g. output.upload_threads=32 (repeatable)",
     )
+    ap.add_argument(
+        "--job-setting",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="job group: a job setting for its runs, e.g. output.writer_threads=8 (repeatable)",
+    )
     ap.add_argument("--s3-server-pids", default="", help="write_s3: file or comma list of the server's PIDs")
     ap.add_argument(
         "--profile-dir",
@@ -1107,6 +1114,8 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     notes = "capture + copy to host, rows dropped"
     rows = [_row("null", regular, seconds, compiled, notes=notes, profiled=bool(args.profile_dir))]
 
+    extra = [f"--{setting}" for setting in args.job_setting]
+    settings_note = "".join(f"; {setting}" for setting in args.job_setting)
     targets = {"disk": ("job", work), "shm": ("job_shm", Path("/dev/shm/eagle3-bench"))}
     chosen = [targets[t] for t in args.write_to.split(",") if t in targets]
     for config, root in chosen:
@@ -1115,11 +1124,15 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
         if config == "job":  # what this disk takes when nothing else runs, for as many bytes as the job
             row_bytes = len(layer_ids) * model.hidden_size * hidden_dtype(model.dtype).itemsize
             rows.append(_disk_ceiling(work, regular, row_bytes, settings.output.writer_threads))
-        totals = run_job(_job_settings(args, model_dir, dummy, work / "prompts.jsonl", out), backend)
+        totals = run_job(_job_settings(args, model_dir, dummy, work / "prompts.jsonl", out, extra), backend)
         capture = "eager hooks" if args.job_eager else "compiled capture"
         rows.append(
             _job_row(
-                config, regular, totals, f"{capture}; shards on {root}, 2 GiB each, checksummed", compiled
+                config,
+                regular,
+                totals,
+                f"{capture}; shards on {root}, 2 GiB each, checksummed{settings_note}",
+                compiled,
             )
         )
         # On the first target's output; the in-worker reference needs whole weights.
@@ -1142,9 +1155,15 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
         )
         out = work / "out-long"
         shutil.rmtree(out, ignore_errors=True)
-        totals = run_job(_job_settings(args, model_dir, dummy, work / "long.jsonl", out), backend)
+        totals = run_job(_job_settings(args, model_dir, dummy, work / "long.jsonl", out, extra), backend)
         rows.append(
-            _job_row("job", long, totals, f"{args.long_tokens}-token prompts, shards on {work}", compiled)
+            _job_row(
+                "job",
+                long,
+                totals,
+                f"{args.long_tokens}-token prompts, shards on {work}{settings_note}",
+                compiled,
+            )
         )
         shutil.rmtree(out, ignore_errors=True)
     rows[0]["capture"] = backend.capture_info
