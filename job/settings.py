@@ -207,7 +207,11 @@ class OutputSettings(Section):
         "drop it from the manifest and extract its samples again",
     )
     shard_bytes: ByteSize = Field(ByteSize(2 * 1024**3), description="Target shard size")
-    writer_threads: PositiveInt = Field(4, description="Threads writing hidden-state rows into shards")
+    writer_threads: PositiveInt = Field(
+        8,
+        description="Threads writing hidden-state rows into shards (4 fell behind a Kimi-width model's "
+        "2 GB/s on an H200 host: docs/benchmarks.md, 2026-12-01 late)",
+    )
     staging_dir: str | None = Field(
         None,
         description="s3:// output: local directory where shards are built before upload "
