@@ -7,6 +7,7 @@ memory are its own):
 * ``plain``  vLLM ``LLM.generate``, max_tokens=1, no capture, vLLM's default compilation and
   CUDA graphs (the ceiling); ``plain_eager``: the same with ``enforce_eager``;
 * ``null``   this job's vLLM backend, capture + device-to-host copy, rows dropped;
+  ``null_budget`` (``--step-budgets``): the same at smaller per-step token budgets;
 * ``job``    this job, writing real shards to local disk (``job_shm``: to /dev/shm; ``--write-to``
   picks them); compiled capture unless ``--job-eager``;
 * ``native`` vLLM's ``extract_hidden_states`` + ``ExampleHiddenStatesConnector``;
@@ -42,12 +43,15 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from job.backends import Backend, BackendInput, HiddenChunk
 from job.hidden_dtype import hidden_dtype
+
+if TYPE_CHECKING:
+    from job.backends.vllm import VllmBackend
 
 LLAMA_3_1_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -254,6 +258,14 @@ def main(argv: list[str]) -> int:
         metavar="KEY=VALUE",
         help="job group: a job setting for its runs, e.g. output.writer_threads=8 (repeatable)",
     )
+    ap.add_argument(
+        "--step-budgets",
+        type=lambda text: [int(x) for x in text.split(",") if x],
+        default=[],
+        help="job group: null passes at these per-step token budgets too (comma list, each at most "
+        "--max-num-batched-tokens), after one at the full budget, over --step-budget-prompts prompts",
+    )
+    ap.add_argument("--step-budget-prompts", type=int, default=150)
     ap.add_argument("--s3-server-pids", default="", help="write_s3: file or comma list of the server's PIDs")
     ap.add_argument(
         "--profile-dir",
@@ -262,6 +274,10 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if any(not 0 < b <= args.max_num_batched_tokens for b in args.step_budgets):
+        ap.error(
+            f"--step-budgets: each must be in 1..--max-num-batched-tokens ({args.max_num_batched_tokens})"
+        )
     if unknown := set(args.write_to.split(",")) - {"disk", "shm", "s3"}:
         ap.error(f"--write-to: unknown targets {sorted(unknown)}; use a comma list of disk,shm,s3")
     # Callables reach vLLM's worker processes by pickle (CPU builds always use them).
@@ -1075,6 +1091,39 @@ def _spot_check(backend: Any, model: Any, layer_ids: list[int], out: Path, dummy
     return result
 
 
+def _null_pass(backend: Backend, prompts: list[np.ndarray]) -> float:
+    """Seconds for the backend to capture every prompt, its rows dropped."""
+    start = time.perf_counter()
+    for chunk in backend.extract(BackendInput(str(i), p) for i, p in enumerate(prompts)):
+        if chunk.release is not None:
+            chunk.release()
+    return time.perf_counter() - start
+
+
+def _step_budget_rows(
+    backend: VllmBackend, prompts: list[np.ndarray], budgets: list[int], compiled: bool
+) -> list[dict[str, Any]]:
+    """``null_budget`` rows: null passes over ``prompts`` with at most each budget's tokens per
+    step, the engine's full budget first: what a smaller step costs per token (the price of
+    shrinking a run's last steps, whose rows are written after the GPU is done)."""
+    full = backend.token_budget
+    rows = []
+    for budget in (full, *budgets):
+        backend.set_step_tokens(budget)
+        steps = backend.steps
+        seconds = _null_pass(backend, prompts)
+        rows.append(_row("null_budget", prompts, seconds, compiled, step_tokens=budget))
+        rows[-1]["tokens_per_step"] = round(rows[-1]["tokens"] / (backend.steps - steps))
+    backend.set_step_tokens(full)
+    for row in rows:
+        row["ratio_to_full_budget"] = round(row["tok_per_s"] / rows[0]["tok_per_s"], 3)
+        row["notes"] = (
+            f"at most {row['step_tokens']} tokens per step ({row['tokens_per_step']} on average): "
+            f"{row['ratio_to_full_budget']}x the full budget"
+        )
+    return rows
+
+
 def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     from job.backends import extract_all
     from job.backends.vllm import VllmBackend
@@ -1103,11 +1152,7 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.profile_dir:
         backend.executor.collective_rpc("profile", args=(True,))
-    start = time.perf_counter()
-    for chunk in backend.extract(BackendInput(str(i), p) for i, p in enumerate(regular)):
-        if chunk.release is not None:
-            chunk.release()
-    seconds = time.perf_counter() - start
+    seconds = _null_pass(backend, regular)
     if args.profile_dir:
         backend.executor.collective_rpc("profile", args=(False,))
     compiled = not args.job_eager
@@ -1143,15 +1188,11 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
                 rows[-1].update(spot_check_error=f"{type(exc).__name__}: {exc}", spot_check_ok=False)
         shutil.rmtree(out, ignore_errors=True)
 
+    if args.step_budgets:
+        rows += _step_budget_rows(backend, regular[: args.step_budget_prompts], args.step_budgets, compiled)
     if long:
-        start = time.perf_counter()
-        for chunk in backend.extract(BackendInput(str(i), p) for i, p in enumerate(long)):
-            if chunk.release is not None:
-                chunk.release()
         rows.append(
-            _row(
-                "null", long, time.perf_counter() - start, compiled, notes=f"{args.long_tokens}-token prompts"
-            )
+            _row("null", long, _null_pass(backend, long), compiled, notes=f"{args.long_tokens}-token prompts")
         )
         out = work / "out-long"
         shutil.rmtree(out, ignore_errors=True)

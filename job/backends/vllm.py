@@ -386,6 +386,19 @@ class VllmBackend(Backend):
             release=lambda: releases.release(step),
         )
 
+    @property
+    def steps(self) -> int:
+        """Steps run that captured rows, over the backend's lifetime."""
+        return self._executed
+
+    def set_step_tokens(self, tokens: int) -> None:
+        """The most tokens the scheduler puts in one step from now on, up to the token budget the
+        engine and the ring were sized for (``bench --step-budgets`` measures what a step's size
+        does to tokens per second with it)."""
+        if not 0 < tokens <= self.token_budget:
+            raise ValueError(f"step tokens {tokens} outside 1..{self.token_budget} (max_num_batched_tokens)")
+        self.scheduler.max_num_scheduled_tokens = tokens
+
     def close(self) -> None:
         if self._closed:
             return
