@@ -172,6 +172,16 @@ def test_chunked_prefill_spreads_a_long_prompt_over_steps(model_dir: Path) -> No
     assert first.num_scheduled_tokens["long"] == 256  # max_num_batched_tokens
 
 
+def test_the_scheduler_reads_its_token_budget_every_step(model_dir: Path) -> None:
+    """What VllmBackend.set_step_tokens (bench --step-budgets) relies on: lowering the scheduler's
+    max_num_scheduled_tokens on a running scheduler limits its next step."""
+    scheduler, vllm_config = _scheduler(model_dir, prefix_caching=False)
+    hasher = ADAPTERS.block_hasher(vllm_config, BLOCK)
+    scheduler.add_request(ADAPTERS.request("long", _prompt(1, 600), prefill_sampling_params(), hasher))
+    scheduler.max_num_scheduled_tokens = 100
+    assert scheduler.schedule().num_scheduled_tokens["long"] == 100
+
+
 def test_the_selected_facts_hold_for_the_installed_vllm() -> None:
     """Every fact of the selected set, checked against the installed vLLM's own signatures
     (the KV set-up needs a model to run: here it is checked at this level)."""
