@@ -1207,19 +1207,20 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
         rows.append(
             _row("null", long, _null_pass(backend, long), compiled, notes=f"{args.long_tokens}-token prompts")
         )
-        out = work / "out-long"
-        shutil.rmtree(out, ignore_errors=True)
-        totals = run_job(_job_settings(args, model_dir, dummy, work / "long.jsonl", out, extra), backend)
-        rows.append(
-            _job_row(
-                "job",
-                long,
-                totals,
-                f"{args.long_tokens}-token prompts, shards on {work}{settings_note}",
-                compiled,
+        for config, root in chosen:
+            out = root / "out-long"
+            shutil.rmtree(out, ignore_errors=True)
+            totals = run_job(_job_settings(args, model_dir, dummy, work / "long.jsonl", out, extra), backend)
+            rows.append(
+                _job_row(
+                    config,
+                    long,
+                    totals,
+                    f"{args.long_tokens}-token prompts, shards on {root}{settings_note}",
+                    compiled,
+                )
             )
-        )
-        shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(out, ignore_errors=True)
     rows[0]["capture"] = backend.capture_info
     backend.close()
     return {"rows": rows}
