@@ -518,7 +518,8 @@ def _report(
         for row in rows:
             f.write(json.dumps({**{k: row.get(k) for k in keys}, **row}) + "\n")
     header = (
-        "| config | prompts | tokens | tok/s | × plain | GB/s written | tail s | GPU mem GiB | peak RSS GiB "
+        "| config | prompts | tokens | tok/s | × plain | GB/s written | tail s (rows + commit + finish) "
+        "| GPU mem GiB | peak RSS GiB "
         "| notes |"
     )
     lines = [
@@ -535,7 +536,7 @@ def _report(
         lines.append(
             f"| {r['config']} | {r['prompts']} | {r['tokens']} | {r['tok_per_s']:,.0f} "
             f"| {r.get('ratio_to_plain') or ''} "
-            f"| {r.get('gb_per_s') or ''} | {r.get('tail_seconds', '')} "
+            f"| {r.get('gb_per_s') or ''} | {_tail_cell(r)} "
             f"| {r.get('gpu_mem_gib') or ''} | {r.get('peak_rss_gib') or ''} "
             f"| {r.get('notes', '')} |"
         )
@@ -545,6 +546,15 @@ def _report(
     _plot(
         rows, out / f"bench-{args.model}-{run_id}.png", f"{args.model} on {rows[0]['gpu'] if rows else '?'}"
     )
+
+
+def _tail_cell(row: dict[str, Any]) -> str:
+    if "tail_seconds" not in row:
+        return ""
+    if "tail_write_seconds" not in row:
+        return str(row["tail_seconds"])
+    parts = (row[f"tail_{k}_seconds"] for k in ("write", "commit", "finish"))
+    return f"{row['tail_seconds']} ({' + '.join(map(str, parts))})"
 
 
 def _plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -674,7 +684,8 @@ def _job_row(
     config: str, prompts: list[np.ndarray], totals: dict[str, Any], notes: str, compiled: bool
 ) -> dict[str, Any]:
     """A row for one ``run_job``, timed from the backend being ready to the last
-    shard committed; ``tail_seconds`` is the part after the backend's last rows."""
+    shard committed; ``tail_seconds`` is the part after the backend's last rows (split into
+    writing the rows left, committing the shards left, and the final manifest)."""
     seconds = totals["extract_seconds"]
     return _row(
         config,
@@ -685,6 +696,7 @@ def _job_row(
         bytes_written=totals["bytes_written"],
         shards=totals["shards"],
         tail_seconds=round(seconds - totals["backend_seconds"], 3),
+        **{k: totals[k] for k in ("tail_write_seconds", "tail_commit_seconds", "tail_finish_seconds")},
         direct_io_bytes=totals["direct_io_bytes"],
         notes=notes,
     )

@@ -66,6 +66,16 @@ class _Wiring:
     regenerator: Regenerator | None
 
 
+@dataclass
+class _Clock:
+    """Monotonic instants of a run's extract and commit phases (for the tail's breakdown)."""
+
+    extract_started: float
+    backend_done: float = 0.0
+    rows_written: float = 0.0
+    committed: float = 0.0
+
+
 class IndexRun:
     def __init__(
         self,
@@ -88,10 +98,10 @@ class IndexRun:
             self._open_log(cleanup)
             try:
                 wiring = self._wire(cleanup)
-                extract_started = time.monotonic()
-                backend_seconds = self._extract(wiring)
-                self._commit(wiring)
-                return self._finish(wiring, extract_started, backend_seconds)
+                clock = _Clock(extract_started=time.monotonic())
+                clock.backend_done = self._extract(wiring)
+                clock.rows_written, clock.committed = self._commit(wiring)
+                return self._finish(wiring, clock)
             except BaseException as exc:
                 if self.status == "failed":
                     self.log.error("run_failed", error=f"{type(exc).__name__}: {exc}")
@@ -249,8 +259,7 @@ class IndexRun:
             self.log.error("commit_failed", error=f"{type(exc).__name__}: {exc}")
 
     def _extract(self, w: _Wiring) -> float:
-        """Run the backend over every input; returns its seconds (to its last rows)."""
-        started = time.monotonic()
+        """Run the backend over every input; returns when it gave its last rows (monotonic)."""
         input_bytes = max(sum(f.size for f in self.setup.files), 1)
         for item in w.backend.extract(iter(w.inputs)):
             if isinstance(item, Completion):
@@ -273,15 +282,17 @@ class IndexRun:
             for error in (w.router.error, w.committer.error):
                 if error is not None:
                     raise error
-        return time.monotonic() - started
+        return time.monotonic()
 
-    def _commit(self, w: _Wiring) -> None:
-        """List every finished shard. After a stop signal, the open shards are abandoned (their
+    def _commit(self, w: _Wiring) -> tuple[float, float]:
+        """List every finished shard; returns when the last row was written and when the last
+        shard was committed (monotonic). After a stop signal, the open shards are abandoned (their
         samples are redone by the next run) and the run ends here, consistent."""
         w.router.close()
+        rows_written = time.monotonic()
         if not self.stop.is_set():
             w.committer.close()
-            return
+            return rows_written, time.monotonic()
         abandoned = w.writer.abandon_open()
         w.committer.close()
         self.status = "terminated"
@@ -294,7 +305,7 @@ class IndexRun:
         )
         raise Terminated(f"stopped by {self.stop.signal_name}; committed shards are listed, a rerun resumes")
 
-    def _finish(self, w: _Wiring, extract_started: float, backend_seconds: float) -> dict[str, Any]:
+    def _finish(self, w: _Wiring, clock: _Clock) -> dict[str, Any]:
         """Check that every owned sample is accounted for and that the data was usable, then mark
         the index complete."""
         manifest, stats = self.resumed.manifest, w.stream.stats
@@ -310,7 +321,7 @@ class IndexRun:
         w.committer.write_manifest(complete=True, rejected=w.rejections.count)
         self.status = "complete"
         now = time.monotonic()
-        elapsed, extract_seconds, tokens = now - self.started, now - extract_started, w.router.tokens
+        elapsed, extract_seconds, tokens = now - self.started, now - clock.extract_started, w.router.tokens
         totals = {
             "status": self.status,
             "written": manifest.counts.written,
@@ -322,8 +333,13 @@ class IndexRun:
             "seconds": round(elapsed, 3),
             "tok_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
             # from the backend being ready to its last rows / to the last shard committed
-            "backend_seconds": round(backend_seconds, 3),
+            "backend_seconds": round(clock.backend_done - clock.extract_started, 3),
             "extract_seconds": round(extract_seconds, 3),
+            # the part after the backend's last rows: writing the rows left, committing the shards
+            # left, then the final manifest and rejected.jsonl
+            "tail_write_seconds": round(clock.rows_written - clock.backend_done, 3),
+            "tail_commit_seconds": round(clock.committed - clock.rows_written, 3),
+            "tail_finish_seconds": round(now - clock.committed, 3),
             "extract_tok_per_s": round(tokens / extract_seconds, 1) if extract_seconds > 0 else None,
             "bytes_written": sum(s.bytes for s in manifest.shards),
             "direct_io_bytes": w.committer.direct_io_bytes,
