@@ -1184,10 +1184,11 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     for config, root in chosen:
         out = root / f"out-{config}"
         shutil.rmtree(out, ignore_errors=True)
+        job_settings = _job_settings(args, model_dir, dummy, work / "prompts.jsonl", out, extra)
         if config == "job":  # what this disk takes when nothing else runs, for as many bytes as the job
             row_bytes = len(layer_ids) * model.hidden_size * hidden_dtype(model.dtype).itemsize
-            rows.append(_disk_ceiling(work, regular, row_bytes, settings.output.writer_threads))
-        totals = run_job(_job_settings(args, model_dir, dummy, work / "prompts.jsonl", out, extra), backend)
+            rows.append(_disk_ceiling(work, regular, row_bytes, job_settings.output.writer_threads))
+        totals = run_job(job_settings, backend)
         capture = "eager hooks" if args.job_eager else "compiled capture"
         rows.append(
             _job_row(
