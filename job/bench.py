@@ -903,7 +903,7 @@ def _write_s3(
     """``write`` to ``--s3-uri``/<run>, shards staged in ``staging``; the objects are deleted after."""
     import boto3
 
-    from job.bench_s3 import cpu_seconds, ensure_bucket, own_cpu_seconds, server_pids
+    from job.bench_s3 import cpu_layout, cpu_seconds, ensure_bucket, own_cpu_seconds, server_pids
     from job.logs import configure_logging
     from job.pipeline.runner import run_job
 
@@ -947,6 +947,7 @@ def _write_s3(
         tuning,
         job_cpu_s_per_gb=round(job_cpu / gb, 2),  # the whole job: shard writing, checksums, uploads
         server_cpu_s_per_gb=round(server_cpu / gb, 2) if pids else None,
+        **cpu_layout(pids),
     )
     return row
 

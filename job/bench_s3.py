@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
             for part_size in args.part_sizes:
                 for threads in args.threads:
                     row = _measure(admin, args, files, checksums, pids, threads, part_size, signed)
-                    row.update(run_id=run_id, tag=args.tag)
+                    row.update(run_id=run_id, tag=args.tag, **cpu_layout(pids))
                     print(json.dumps(row), flush=True)
                     rows.append(row)
                     if args.out:
@@ -123,6 +123,15 @@ def cpu_seconds(pids: list[int]) -> float:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         total += int(fields[11]) + int(fields[12])
     return total / _CLOCK_TICKS
+
+
+def cpu_layout(pids: list[int]) -> dict[str, int | None]:
+    """How many cores the client (this process) and the server may run on: fewer than the
+    machine's when a run pins them apart (.ci/gpu-s3.sh's CLIENT_CPUS)."""
+    return {
+        "client_cpus": len(os.sched_getaffinity(0)),
+        "server_cpus": len(os.sched_getaffinity(pids[0])) if pids else None,
+    }
 
 
 def own_cpu_seconds() -> float:
