@@ -158,6 +158,13 @@ class VllmSettings(Section):
     capture_slots: int = Field(
         4, ge=2, description="Host buffers (one step each) between the TP rank-0 worker and the writer"
     )
+    final_step_tokens: PositiveInt | None = Field(
+        None,
+        description="Off by default. Once every sample is in vLLM's hands and at most one full step's "
+        "tokens are left to schedule, at most this many tokens per step: what is left to write after "
+        "the GPU is done shrinks to one such step; smaller steps cost GPU time (bench --step-budgets "
+        "measures how much for a model)",
+    )
 
     @field_validator("engine_args")
     @classmethod
@@ -169,6 +176,15 @@ class VllmSettings(Section):
                 f"these engine arguments have settings of their own; set those instead: {settings}"
             )
         return value
+
+    @model_validator(mode="after")
+    def _final_steps_fit_the_budget(self) -> VllmSettings:
+        if self.final_step_tokens is not None and self.final_step_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"backend.vllm.final_step_tokens is {self.final_step_tokens}, more than "
+                f"backend.vllm.max_num_batched_tokens ({self.max_num_batched_tokens}); set it lower"
+            )
+        return self
 
 
 class BackendSettings(Section):

@@ -5,7 +5,8 @@ Cases (``python -m job`` in a subprocess unless said otherwise):
 
 * settings found wrong before any sample is read (exit 2, nothing written): an environment
   name with an unknown section (JOB_OUTPUTS__URI), an empty or blank output.uri / data.path,
-  tensor parallelism with the hf backend, engine_args that shadow a setting, data.max_length
+  tensor parallelism with the hf backend, engine_args that shadow a setting,
+  backend.vllm.final_step_tokens above max_num_batched_tokens, data.max_length
   beyond the model's positions (hf: up to all of them; vLLM: one fewer, for the token it samples
   after each prompt; backend.vllm.max_model_len not above data.max_length), backend.name=vllm
   without vLLM, backend.device=cuda without a GPU;
@@ -196,6 +197,23 @@ def test_engine_args_may_not_shadow_a_setting(
         "--backend.vllm.engine_args=" + json.dumps({engine_arg: 2, "download_dir": "/models"}),
     )
     error_line(result, 2, "backend.vllm.engine_args", "set those instead", f"{engine_arg} -> {setting}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_final_steps_larger_than_the_token_budget(
+    run_job: Callable[..., Any], data: Path, tmp_path: Path
+) -> None:
+    result = run_job(
+        "run",
+        f"--data.path={data}",
+        f"--output.uri={tmp_path / 'out'}",
+        "--backend.name=vllm",
+        "--backend.vllm.max_num_batched_tokens=4096",
+        "--backend.vllm.final_step_tokens=8192",
+    )
+    error_line(
+        result, 2, "backend.vllm.final_step_tokens is 8192", "max_num_batched_tokens (4096)", "set it lower"
+    )
     assert not (tmp_path / "out").exists()
 
 

@@ -129,6 +129,7 @@ class VllmBackend(Backend):
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.concurrent_requests = 2 * self.max_num_seqs  # extract() keeps this many admitted
         self.token_budget = vllm_config.scheduler_config.max_num_batched_tokens
+        self.final_step_tokens = options.final_step_tokens
         self.executor = self.adapters.start_executor(vllm_config)
         self.ring = Ring.create(
             None,
@@ -181,6 +182,8 @@ class VllmBackend(Backend):
             "generation_requests": 0,
             "generated_tokens": 0,
             "recomputed_rows": 0,
+            "final_steps": 0,  # steps scheduled at backend.vllm.final_step_tokens, and the
+            "largest_final_step": 0,  # most tokens one of them had
         }
         self.log.info(
             "vllm_ready",
@@ -215,6 +218,8 @@ class VllmBackend(Backend):
         # finished request ids to the workers) but never twice in a row.
         in_flight: deque[tuple[Any, Any]] = deque()
         slots = self.ring.spec.slots
+        step_tokens = self.scheduler.max_num_scheduled_tokens
+        final_steps = False
         while True:
             while (
                 not exhausted
@@ -228,6 +233,16 @@ class VllmBackend(Backend):
                 if item is None:  # nothing new right now (e.g. staging full): run what is pending
                     break
                 unscheduled += self._admit(item, pending)
+            if (
+                not final_steps
+                and self.final_step_tokens
+                and exhausted
+                and not self._generating
+                and unscheduled <= self.token_budget
+            ):
+                # The rows of the last step are written after the GPU is done: make it a small one.
+                final_steps = True
+                self.scheduler.max_num_scheduled_tokens = min(step_tokens, self.final_step_tokens)
             last_was_empty = bool(in_flight) and in_flight[-1][0].total_num_scheduled_tokens == 0
             if (
                 self.scheduler.get_num_unfinished_requests()
@@ -246,6 +261,9 @@ class VllmBackend(Backend):
                 step = self.adapters.submit_step(self.executor, self.scheduler, scheduler_output)
                 in_flight.append((scheduler_output, step))
                 self.stats["max_steps_in_flight"] = max(self.stats["max_steps_in_flight"], len(in_flight))
+                if final_steps and scheduled:
+                    self.stats["final_steps"] += 1
+                    self.stats["largest_final_step"] = max(self.stats["largest_final_step"], scheduled)
                 self._executed += captured_step(scheduler_output.num_scheduled_tokens)
                 unscheduled = max(0, unscheduled - scheduled)
                 if len(in_flight) < self._steps_in_flight() and scheduled:
@@ -258,6 +276,7 @@ class VllmBackend(Backend):
             yield from self._completions(self.scheduler.update_from_output(scheduler_output, step.result()))
             yield from self._take(pending)
         yield from self._drain(pending, lambda: self._taken >= self._executed)
+        self.scheduler.max_num_scheduled_tokens = step_tokens  # the next extract() starts at full size
         if pending or self._generating:
             raise RuntimeError(
                 f"{len(pending) + len(self._generating)} requests finished without their output"
