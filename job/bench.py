@@ -278,8 +278,11 @@ def main(argv: list[str]) -> int:
         ap.error(
             f"--step-budgets: each must be in 1..--max-num-batched-tokens ({args.max_num_batched_tokens})"
         )
-    if unknown := set(args.write_to.split(",")) - {"disk", "shm", "s3"}:
+    targets = set(args.write_to.split(","))
+    if unknown := targets - {"disk", "shm", "s3"}:
         ap.error(f"--write-to: unknown targets {sorted(unknown)}; use a comma list of disk,shm,s3")
+    if "job" in args.groups.split(",") and not targets & {"disk", "shm"}:
+        ap.error("--write-to: the job group writes to disk or shm (s3 is the write group's only); add one")
     # Callables reach vLLM's worker processes by pickle (CPU builds always use them).
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if args.worker:

@@ -1,11 +1,13 @@
 """`python -m job bench`'s write-path groups (rows from memory through the job's own write path,
 no engine) run where vLLM is absent, as the GPU machine's S3 set-up runs them (.ci/gpu-s3.sh,
 a bare Python with the job's wheels): to a local directory and to a real S3 server, with the
-rows they report and nothing left in the bucket."""
+rows they report and nothing left in the bucket; and a --write-to that leaves the job group
+nowhere to write is refused."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,4 +62,18 @@ def test_the_write_groups_run_without_vllm_to_disk_and_s3(
         assert row["prompts"] == 6 and row["tokens"] > 0
         assert row["bytes_written"] >= row["tokens"] * 4 * 64 * 2  # 4 layers x hidden 64, bf16
     assert rows["write_s3"]["upload_threads"] > 0
+    assert rows["write_s3"]["client_cpus"] == len(os.sched_getaffinity(0))  # no --s3-server-pids:
+    assert rows["write_s3"]["server_cpus"] is None  # the server's cores are not known
     assert s3.list_objects_v2(Bucket=bucket, Prefix="bench/").get("KeyCount") == 0  # deleted after
+
+
+def test_the_job_group_needs_a_local_target() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "job", "bench", "--groups=plain,job", "--write-to=s3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--write-to: the job group writes to disk or shm" in proc.stderr
