@@ -200,23 +200,6 @@ def test_engine_args_may_not_shadow_a_setting(
     assert not (tmp_path / "out").exists()
 
 
-def test_final_steps_larger_than_the_token_budget(
-    run_job: Callable[..., Any], data: Path, tmp_path: Path
-) -> None:
-    result = run_job(
-        "run",
-        f"--data.path={data}",
-        f"--output.uri={tmp_path / 'out'}",
-        "--backend.name=vllm",
-        "--backend.vllm.max_num_batched_tokens=4096",
-        "--backend.vllm.final_step_tokens=8192",
-    )
-    error_line(
-        result, 2, "backend.vllm.final_step_tokens is 8192", "max_num_batched_tokens (4096)", "set it lower"
-    )
-    assert not (tmp_path / "out").exists()
-
-
 def test_hf_max_length_beyond_the_model_positions(
     run_job: Callable[..., Any], hf_args: tuple[str, ...], tmp_path: Path
 ) -> None:
@@ -296,20 +279,29 @@ def test_vllm_max_length_leaves_a_position_for_the_sampled_token(
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.vllm
-@needs_vllm
-def test_vllm_max_model_len_must_exceed_max_length(
-    run_job: Callable[..., Any], data: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        pytest.param(
+            ["--data.max_length=100", "--backend.vllm.max_model_len=100"],
+            ["backend.vllm.max_model_len 100 is not above data.max_length 100", "at least 101"],
+            marks=[pytest.mark.vllm, needs_vllm],  # found against the model, with vLLM
+            id="max_model_len",
+        ),
+        pytest.param(
+            ["--backend.vllm.max_num_batched_tokens=4096", "--backend.vllm.final_step_tokens=8192"],
+            ["backend.vllm.final_step_tokens is 8192", "max_num_batched_tokens (4096)", "set it lower"],
+            id="final_step_tokens",
+        ),
+    ],
+)
+def test_vllm_settings_at_odds_with_each_other(
+    run_job: Callable[..., Any], data: Path, tmp_path: Path, settings: list[str], message: list[str]
 ) -> None:
     result = run_job(
-        "run",
-        f"--data.path={data}",
-        f"--output.uri={tmp_path / 'out'}",
-        "--backend.name=vllm",
-        "--data.max_length=100",
-        "--backend.vllm.max_model_len=100",
+        "run", f"--data.path={data}", f"--output.uri={tmp_path / 'out'}", "--backend.name=vllm", *settings
     )
-    error_line(result, 2, "backend.vllm.max_model_len 100 is not above data.max_length 100", "at least 101")
+    error_line(result, 2, *message)
     assert not (tmp_path / "out").exists()
 
 
