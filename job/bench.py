@@ -256,7 +256,8 @@ def main(argv: list[str]) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="job group: a job setting for its runs, e.g. output.writer_threads=8 (repeatable)",
+        help="job group: a job setting for its runs, e.g. output.writer_threads=8 (repeatable); "
+        "backend.* settings go into the group's one engine, so into its null pass too",
     )
     ap.add_argument(
         "--step-budgets",
@@ -1156,12 +1157,16 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work_dir)
     model_dir, dummy = _model_dir(args)
     regular, long = _load_prompts(work, "prompts.jsonl"), _load_prompts(work, "long.jsonl")
+    # The backend is built once for the null pass and every job run: the backend.* job settings
+    # go into it (and so into the null pass too); the others into the job runs only.
+    backend_extra = [f"--{setting}" for setting in args.job_setting if setting.startswith("backend.")]
     settings = _job_settings(
         args,
         model_dir,
         dummy,
         work / "prompts.jsonl",
         work / "out-disk",
+        backend_extra,
         engine_args=_profiler_config(args, "null"),
     )
     configure_logging(settings.log)
@@ -1178,7 +1183,8 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     if args.profile_dir:
         backend.executor.collective_rpc("profile", args=(False,))
     compiled = not args.job_eager
-    notes = "capture + copy to host, rows dropped"
+    backend_note = "".join(f"; {setting[2:]}" for setting in backend_extra)
+    notes = f"capture + copy to host, rows dropped{backend_note}"
     rows = [_row("null", regular, seconds, compiled, notes=notes, profiled=bool(args.profile_dir))]
 
     extra = [f"--{setting}" for setting in args.job_setting]

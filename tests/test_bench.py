@@ -1,11 +1,14 @@
-"""`python -m job bench`'s write-path groups (rows from memory through the job's own write path,
-no engine) run where vLLM is absent, as the GPU machine's S3 set-up runs them (.ci/gpu-s3.sh,
-a bare Python with the job's wheels): to a local directory and to a real S3 server, with the
-rows they report and nothing left in the bucket; and a --write-to that leaves the job group
-nowhere to write is refused."""
+"""`python -m job bench` off the GPU: the write-path groups (rows from memory through the job's
+own write path, no engine) run where vLLM is absent, as the GPU machine's S3 set-up runs them
+(.ci/gpu-s3.sh, a bare Python with the job's wheels), to a local directory and to a real S3
+server, with the rows they report and nothing left in the bucket; the job group runs on a CPU
+build of vLLM as .ci/gpu-bench.sh runs it on the GPU (null pass, disk ceiling, job run with its
+spot check, step budgets, a backend job setting); a --write-to that leaves the job group nowhere
+to write is refused."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -77,3 +80,56 @@ def test_the_job_group_needs_a_local_target() -> None:
     )
     assert proc.returncode == 2
     assert "--write-to: the job group writes to disk or shm" in proc.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None and os.environ.get("REQUIRE_VLLM") != "1",
+    reason="vLLM is not installed here",
+)
+def test_the_job_group_runs_on_a_cpu_vllm(tmp_path: Path, job_cache: str) -> None:
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "job",
+            "bench",
+            "--model=tiny-llama",
+            "--groups=job",
+            "--write-to=disk",
+            "--num-prompts=12",
+            "--median-tokens=64",
+            "--max-tokens=256",
+            "--long-prompts=0",
+            "--max-num-batched-tokens=128",
+            "--max-num-seqs=4",
+            "--step-budgets=64",
+            "--step-budget-prompts=6",
+            "--job-setting=backend.vllm.final_step_tokens=32",
+            f"--work-dir={tmp_path / 'work'}",
+            f"--out={out}",
+            "--timeout=600",
+        ],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "JOB_CACHE_DIR": job_cache,
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["config"] for r in rows] == ["null", "disk_ceiling", "job", "null_budget", "null_budget"]
+    null, _, job, *budgets = rows
+    assert all(r["tokens"] == job["tokens"] > 0 for r in (null, rows[1]))
+    assert job["bytes_written"] >= job["tokens"] * 4 * 64 * 2  # 4 layers x hidden 64, bf16
+    assert max(job["spot_check_worst_rel_error_per_layer"]) <= 2e-2  # against HF, in the same run
+    # The backend setting reached the group's one engine: its null pass and its job run say so.
+    assert "backend.vllm.final_step_tokens=32" in null["notes"]
+    assert "backend.vllm.final_step_tokens=32" in job["notes"]
+    assert [r["step_tokens"] for r in budgets] == [128, 64]
+    assert all(0 < r["tokens_per_step"] <= r["step_tokens"] for r in budgets)
