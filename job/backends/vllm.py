@@ -182,8 +182,9 @@ class VllmBackend(Backend):
             "generation_requests": 0,
             "generated_tokens": 0,
             "recomputed_rows": 0,
-            "final_steps": 0,  # steps scheduled at backend.vllm.final_step_tokens, and the
-            "largest_final_step": 0,  # most tokens one of them had
+            # backend.vllm.final_step_tokens: the steps run at that size, and the most tokens one had
+            "final_steps": 0,
+            "largest_final_step": 0,
         }
         self.log.info(
             "vllm_ready",
