@@ -7,8 +7,10 @@ function under job/ (job/worker/ excluded: that is vLLM's side) that receives th
 argument: a string naming it (or naming its shard, once it has one), an object whose
 ``sample_id`` it is, a plan or shard holding it, or a list, dict or dataclass holding one of
 those. Generator resumptions are not calls. Prints the files in the order the sample entered
-them, with the functions, then the counts: distinct files, entries, and the files it entered
-again after leaving. Use ``--data.tokenizer_workers=0`` (tokenizer processes are not traced).
+them, with the functions, then the counts: distinct files, entries, the files it entered
+again after leaving, and which of those it entered again through another module (not by one of
+the file's own functions calling another after a call out returned). Use
+``--data.tokenizer_workers=0`` (tokenizer processes are not traced).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class Walk:
     def __init__(self, sample_id: str) -> None:
         self.sample_id = sample_id
         self.names = {sample_id}  # the sample's id, then its shard's file name
-        self.calls: list[tuple[str, str]] = []
+        self.calls: list[tuple[str, str, str]] = []  # (file, function, the caller's file)
         self._first_offset: dict[CodeType, int] = {}
 
     def _holds(self, value: Any, depth: int = 0) -> bool:
@@ -74,24 +76,38 @@ class Walk:
         local = frame.f_locals
         try:
             if any(a != "self" and a in local and self._holds(local[a]) for a in arguments):
-                self.calls.append((str(Path(code.co_filename).relative_to(REPO)), code.co_name))
+                caller = frame.f_back.f_code.co_filename if frame.f_back else ""
+                self.calls.append((_relative(code.co_filename), code.co_name, _relative(caller)))
         except Exception:  # a value whose attributes cannot be read holds nothing we follow
             return
 
     def report(self) -> str:
-        entries: list[tuple[str, list[str]]] = []
-        for file, function in self.calls:
+        entries: list[tuple[str, list[str], str]] = []  # (file, functions, who called its first)
+        for file, function, caller in self.calls:
             if not entries or entries[-1][0] != file:
-                entries.append((file, [function]))
+                entries.append((file, [function], caller))
             elif function not in entries[-1][1]:
                 entries[-1][1].append(function)
-        order = [file for file, _ in entries]
+        order = [file for file, _, _ in entries]
         again = sorted({f for f in order if order.count(f) > 1})
-        lines = [f"{file:34s} {', '.join(functions)}" for file, functions in entries]
+        # Entered again through another module (a callback, a later stage), not by one of its own
+        # functions calling another after a call out returned.
+        seen: set[str] = set()
+        from_outside: set[str] = set()
+        for file, _, caller in entries:
+            if file in seen and caller != file:
+                from_outside.add(file)
+            seen.add(file)
+        lines = [f"{file:34s} {', '.join(functions)}" for file, functions, _ in entries]
         lines.append(
-            f"{len(set(order))} files, {len(order)} entries; entered again: {', '.join(again) or 'none'}"
+            f"{len(set(order))} files, {len(order)} entries; entered again: {', '.join(again) or 'none'}; "
+            f"of those, from another module: {', '.join(sorted(from_outside)) or 'none'}"
         )
         return "\n".join(lines)
+
+
+def _relative(filename: str) -> str:
+    return str(Path(filename).relative_to(REPO)) if filename.startswith(str(REPO)) else filename
 
 
 def main(argv: list[str]) -> int:
