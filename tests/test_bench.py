@@ -26,40 +26,46 @@ from s3_fixtures import REPO, TEST_MAX_STAGED_BYTES, job_env  # noqa: E402
 pytest_plugins = ["s3_fixtures"]
 
 
-def test_the_write_groups_run_without_vllm_to_disk_and_s3(
-    tmp_path: Path, s3_endpoint: str, s3: Any, bucket: str, job_cache: str
-) -> None:
-    env = {**job_env(s3_endpoint, job_cache), "PYTHONPATH": hide_vllm(tmp_path)}
+def _bench(tmp_path: Path, env: dict[str, str], *args: str) -> tuple[list[dict[str, Any]], str]:
+    """``python -m job bench`` on the tiny Llama with a few short prompts and no long ones:
+    the rows it wrote to results.jsonl and its stdout."""
     out = tmp_path / "results"
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "job",
-            "bench",
-            "--model=tiny-llama",
-            "--groups=write",
-            "--write-to=disk,s3",
-            "--num-prompts=6",
-            "--median-tokens=64",
-            "--max-tokens=128",
+            *(sys.executable, "-m", "job", "bench", "--model=tiny-llama", "--median-tokens=64"),
             "--long-prompts=0",
             f"--work-dir={tmp_path / 'work'}",
             f"--out={out}",
-            f"--s3-uri=s3://{bucket}/bench",
-            f"--s3-setting=output.max_staged_bytes={TEST_MAX_STAGED_BYTES}",
-            "--s3-setting=output.shard_bytes=8MiB",
-            "--timeout=240",
+            *args,
         ],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
-    assert "bench_group_failed" not in proc.stdout, proc.stdout[-3000:]
-    rows = {r["config"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()], proc.stdout
+
+
+def test_the_write_groups_run_without_vllm_to_disk_and_s3(
+    tmp_path: Path, s3_endpoint: str, s3: Any, bucket: str, job_cache: str
+) -> None:
+    env = {**job_env(s3_endpoint, job_cache), "PYTHONPATH": hide_vllm(tmp_path)}
+    rows_written, stdout = _bench(
+        tmp_path,
+        env,
+        "--groups=write",
+        "--write-to=disk,s3",
+        "--num-prompts=6",
+        "--max-tokens=128",
+        f"--s3-uri=s3://{bucket}/bench",
+        f"--s3-setting=output.max_staged_bytes={TEST_MAX_STAGED_BYTES}",
+        "--s3-setting=output.shard_bytes=8MiB",
+        "--timeout=240",
+    )
+    assert "bench_group_failed" not in stdout, stdout[-3000:]
+    rows = {r["config"]: r for r in rows_written}
     assert set(rows) == {"write", "write_s3"}
     for row in rows.values():
         assert row["prompts"] == 6 and row["tokens"] > 0
@@ -88,41 +94,25 @@ def test_the_job_group_needs_a_local_target() -> None:
     reason="vLLM is not installed here",
 )
 def test_the_job_group_runs_on_a_cpu_vllm(tmp_path: Path, job_cache: str) -> None:
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "job",
-            "bench",
-            "--model=tiny-llama",
-            "--groups=job",
-            "--write-to=disk",
-            "--num-prompts=12",
-            "--median-tokens=64",
-            "--max-tokens=256",
-            "--long-prompts=0",
-            "--max-num-batched-tokens=128",
-            "--max-num-seqs=4",
-            "--step-budgets=64",
-            "--step-budget-prompts=6",
-            "--job-setting=backend.vllm.final_step_tokens=32",
-            f"--work-dir={tmp_path / 'work'}",
-            f"--out={out}",
-            "--timeout=600",
-        ],
-        cwd=REPO,
-        env={
-            **os.environ,
-            "JOB_CACHE_DIR": job_cache,
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        },
-        capture_output=True,
-        text=True,
-        timeout=900,
+    env = {
+        **os.environ,
+        "JOB_CACHE_DIR": job_cache,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    }
+    rows, _ = _bench(
+        tmp_path,
+        env,
+        "--groups=job",
+        "--write-to=disk",
+        "--num-prompts=12",
+        "--max-tokens=256",
+        "--max-num-batched-tokens=128",
+        "--max-num-seqs=4",
+        "--step-budgets=64",
+        "--step-budget-prompts=6",
+        "--job-setting=backend.vllm.final_step_tokens=32",
+        "--timeout=600",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["config"] for r in rows] == ["null", "disk_ceiling", "job", "null_budget", "null_budget"]
     null, _, job, *budgets = rows
     assert all(r["tokens"] == job["tokens"] > 0 for r in (null, rows[1]))
