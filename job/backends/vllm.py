@@ -243,7 +243,7 @@ class VllmBackend(Backend):
             ):
                 # The rows of the last step are written after the GPU is done: make it a small one.
                 final_steps = True
-                self.scheduler.max_num_scheduled_tokens = min(step_tokens, self.final_step_tokens)
+                self.set_step_tokens(min(step_tokens, self.final_step_tokens))
             last_was_empty = bool(in_flight) and in_flight[-1][0].total_num_scheduled_tokens == 0
             if (
                 self.scheduler.get_num_unfinished_requests()
@@ -277,7 +277,7 @@ class VllmBackend(Backend):
             yield from self._completions(self.scheduler.update_from_output(scheduler_output, step.result()))
             yield from self._take(pending)
         yield from self._drain(pending, lambda: self._taken >= self._executed)
-        self.scheduler.max_num_scheduled_tokens = step_tokens  # the next extract() starts at full size
+        self.set_step_tokens(step_tokens)  # the next extract() starts where this one did
         if pending or self._generating:
             raise RuntimeError(
                 f"{len(pending) + len(self._generating)} requests finished without their output"
