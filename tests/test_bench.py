@@ -8,7 +8,6 @@ to write is refused."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import hide_vllm
+from conftest import hide_vllm, needs_vllm
 
 pytest.register_assert_rewrite("s3_fixtures")
 
@@ -89,10 +88,7 @@ def test_the_job_group_needs_a_local_target() -> None:
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None and os.environ.get("REQUIRE_VLLM") != "1",
-    reason="vLLM is not installed here",
-)
+@needs_vllm
 def test_the_job_group_runs_on_a_cpu_vllm(tmp_path: Path, job_cache: str) -> None:
     env = {
         **os.environ,

@@ -29,7 +29,6 @@ Cases (``python -m job`` in a subprocess unless said otherwise):
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -43,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NO_VLLM, hide_vllm
+from conftest import NO_VLLM, hide_vllm, needs_vllm
 
 from job.checksum import crc64nvme_file
 from job.errors import DamagedShard
@@ -53,10 +52,6 @@ from job.shards import iter_output, open_shard, read_manifest
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "drafts", "verify"]
 POSITIONS = 4096  # max_position_embeddings of the builtin tiny models
-REQUIRE_VLLM = os.environ.get("REQUIRE_VLLM") == "1"
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None and not REQUIRE_VLLM, reason="vLLM is not installed here"
-)
 
 
 def conversation(i: int, words: int = 12) -> dict[str, Any]:
