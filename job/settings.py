@@ -160,11 +160,16 @@ class VllmSettings(Section):
     )
     final_step_tokens: PositiveInt | None = Field(
         None,
-        description="Off by default. Once every sample is in vLLM's hands and at most one full step's "
-        "tokens are left to schedule, at most this many tokens per step: what is left to write after "
-        "the GPU is done shrinks to one such step; smaller steps cost GPU time (bench --step-budgets "
-        "measures how much for a model)",
+        description="Once every sample is in vLLM's hands and at most one full step's tokens are left "
+        "to schedule, at most this many tokens per step, so what is left to write after the GPU is "
+        "done shrinks to one such step. Default: a quarter of max_num_batched_tokens (measured on "
+        "H200, docs/benchmarks.md); max_num_batched_tokens turns the cap off",
     )
+
+    @property
+    def final_step_budget(self) -> int:
+        """The tokens per step once the last full step's worth is left (final_step_tokens resolved)."""
+        return self.final_step_tokens or max(1, self.max_num_batched_tokens // 4)
 
     @field_validator("engine_args")
     @classmethod

@@ -129,7 +129,7 @@ class VllmBackend(Backend):
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.concurrent_requests = 2 * self.max_num_seqs  # extract() keeps this many admitted
         self.token_budget = vllm_config.scheduler_config.max_num_batched_tokens
-        self.final_step_tokens = options.final_step_tokens
+        self.final_step_tokens = options.final_step_budget
         self.executor = self.adapters.start_executor(vllm_config)
         self.ring = Ring.create(
             None,
@@ -192,6 +192,7 @@ class VllmBackend(Backend):
             block_size=kv.block_size,
             max_num_batched_tokens=self.token_budget,
             max_num_seqs=self.max_num_seqs,
+            final_step_tokens=self.final_step_tokens,
         )
 
     @property
@@ -234,13 +235,7 @@ class VllmBackend(Backend):
                 if item is None:  # nothing new right now (e.g. staging full): run what is pending
                     break
                 unscheduled += self._admit(item, pending)
-            if (
-                not final_steps
-                and self.final_step_tokens
-                and exhausted
-                and not self._generating
-                and unscheduled <= self.token_budget
-            ):
+            if not final_steps and exhausted and not self._generating and unscheduled <= self.token_budget:
                 # The rows of the last step are written after the GPU is done: make it a small one.
                 final_steps = True
                 self.set_step_tokens(min(step_tokens, self.final_step_tokens))
