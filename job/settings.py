@@ -163,7 +163,8 @@ class VllmSettings(Section):
         description="Once every sample is in vLLM's hands and at most one full step's tokens are left "
         "to schedule, at most this many tokens per step, so what is left to write after the GPU is "
         "done shrinks to one such step. Default: a quarter of max_num_batched_tokens (measured on "
-        "H200, docs/benchmarks.md); max_num_batched_tokens turns the cap off",
+        "H200, docs/benchmarks.md); max_num_batched_tokens turns the cap off, and so does a step of "
+        "whole prompts (no chunked prefill)",
     )
 
     @property

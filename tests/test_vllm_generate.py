@@ -98,6 +98,10 @@ def test_greedy_turns_equal_the_hf_backends_and_so_do_their_hidden_states(
     stats = next(e for e in events if e["event"] == "vllm_extract_finished")
     turns = sum(len(line["turns"]) for line in sidecars(tmp_path / "hf" / "index-00000").values())
     assert stats["generation_requests"] == turns > 18  # every turn, multi-turn ones included
+    # Where a step holds whole prompts (no chunked prefill), the last steps keep the full budget.
+    whole_prompts = any(e["event"] == "whole_prompts_per_step" for e in events)
+    ready = next(e for e in events if e["event"] == "vllm_ready")
+    assert ready["final_step_tokens"] == (None if whole_prompts else 128 // 4)
     print(f"vLLM greedy regeneration vs HF: ids and masks equal, worst relative error {worst:.2e}")
     assert worst <= MAX_REL_ERROR
 

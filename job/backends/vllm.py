@@ -129,7 +129,9 @@ class VllmBackend(Backend):
         self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         self.concurrent_requests = 2 * self.max_num_seqs  # extract() keeps this many admitted
         self.token_budget = vllm_config.scheduler_config.max_num_batched_tokens
-        self.final_step_tokens = options.final_step_budget
+        # Without chunked prefill a step holds whole prompts: capping it below the longest would stall.
+        chunked = vllm_config.scheduler_config.enable_chunked_prefill
+        self.final_step_tokens = options.final_step_budget if chunked else None
         self.executor = self.adapters.start_executor(vllm_config)
         self.ring = Ring.create(
             None,
@@ -235,7 +237,13 @@ class VllmBackend(Backend):
                 if item is None:  # nothing new right now (e.g. staging full): run what is pending
                     break
                 unscheduled += self._admit(item, pending)
-            if not final_steps and exhausted and not self._generating and unscheduled <= self.token_budget:
+            if (
+                not final_steps
+                and self.final_step_tokens
+                and exhausted
+                and not self._generating
+                and unscheduled <= self.token_budget
+            ):
                 # The rows of the last step are written after the GPU is done: make it a small one.
                 final_steps = True
                 self.set_step_tokens(min(step_tokens, self.final_step_tokens))
