@@ -1159,7 +1159,8 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     regular, long = _load_prompts(work, "prompts.jsonl"), _load_prompts(work, "long.jsonl")
     # The backend is built once for the null pass and every job run: the backend.* job settings
     # go into it (and so into the null pass too); the others into the job runs only.
-    backend_extra = [f"--{setting}" for setting in args.job_setting if setting.startswith("backend.")]
+    backend_settings = [setting for setting in args.job_setting if setting.startswith("backend.")]
+    backend_extra = [f"--{setting}" for setting in backend_settings]
     settings = _job_settings(
         args,
         model_dir,
@@ -1183,7 +1184,7 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     if args.profile_dir:
         backend.executor.collective_rpc("profile", args=(False,))
     compiled = not args.job_eager
-    backend_note = "".join(f"; {setting[2:]}" for setting in backend_extra)
+    backend_note = "".join(f"; {setting}" for setting in backend_settings)
     notes = f"capture + copy to host, rows dropped{backend_note}"
     rows = [_row("null", regular, seconds, compiled, notes=notes, profiled=bool(args.profile_dir))]
 
