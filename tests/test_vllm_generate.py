@@ -34,7 +34,8 @@ COMMON = (
     "--output.shard_bytes=64KiB",
     "--log.format=json",
 )
-VLLM = ("--backend.name=vllm", "--backend.vllm.max_num_batched_tokens=128")
+TOKEN_BUDGET = 128  # max_num_batched_tokens
+VLLM = ("--backend.name=vllm", f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}")
 GREEDY = ("--generate.temperature=0",)
 SAMPLED = ("--generate.temperature=0.8", "--generate.top_p=0.9", "--generate.top_k=50", "--generate.seed=11")
 
@@ -101,7 +102,7 @@ def test_greedy_turns_equal_the_hf_backends_and_so_do_their_hidden_states(
     # Where a step holds whole prompts (no chunked prefill), the last steps keep the full budget.
     whole_prompts = any(e["event"] == "whole_prompts_per_step" for e in events)
     ready = next(e for e in events if e["event"] == "vllm_ready")
-    assert ready["final_step_tokens"] == (None if whole_prompts else 128 // 4)
+    assert ready["final_step_tokens"] == (None if whole_prompts else TOKEN_BUDGET // 4)
     print(f"vLLM greedy regeneration vs HF: ids and masks equal, worst relative error {worst:.2e}")
     assert worst <= MAX_REL_ERROR
 
