@@ -101,7 +101,7 @@ class Pipeline:
     def open(self, number: int, members: list[EncodedSample]) -> ShardPlan:
         plan = ShardPlan(number, members)
         layout = self.writer.layout(plan)
-        staged = self.store.stage_shard(plan.name, layout.total_bytes)
+        staged = self.store.staging.reserve(plan.name, layout.total_bytes)
         assert staged is not None
         self.writer.open(plan, staged, layout)
         return plan
@@ -187,7 +187,7 @@ def test_fp8_rows_and_their_scales_are_split_into_the_same_pieces(tmp_path: Path
     (member,) = samples(40)
     plan = ShardPlan(0, [member])
     layout = writer.layout(plan)
-    staged = store.stage_shard(plan.name, layout.total_bytes)
+    staged = store.staging.reserve(plan.name, layout.total_bytes)
     assert staged is not None
     writer.open(plan, staged, layout)
     states = torch.randn(40, LAYERS, HIDDEN) * torch.logspace(-3, 3, 40)[:, None, None]
@@ -289,7 +289,7 @@ def test_finished_shards_carry_what_the_committer_needs(tmp_path: Path) -> None:
     members = samples(2, 2)
     plan = ShardPlan(5, members)
     layout = writer.layout(plan)
-    staged = store.stage_shard(plan.name, layout.total_bytes)
+    staged = store.staging.reserve(plan.name, layout.total_bytes)
     assert staged is not None
     writer.open(plan, staged, layout)
     for sample in members:
@@ -322,7 +322,7 @@ def test_rows_that_miss_direct_io_are_reported_once(tmp_path: Path) -> None:
             (member,) = samples(3, prefix=f"n{number}-")
             plan = ShardPlan(number, [member])
             layout = writer.layout(plan)
-            staged = store.stage_shard(plan.name, layout.total_bytes)
+            staged = store.staging.reserve(plan.name, layout.total_bytes)
             assert staged is not None
             writer.open(plan, staged, layout)
             rows = torch.randn(3 * 2 * hidden + 1)[1:].view(3, 2, hidden)  # 4 bytes off the page

@@ -70,7 +70,7 @@ def random_file(path: Path, size: int) -> Path:
 
 
 def stage_random(store: ObjectIndexStore, name: str, size: int) -> StagedShard:
-    staged = store.stage_shard(name, size)
+    staged = store.staging.reserve(name, size)
     assert staged is not None
     random_file(staged.path, size)
     return staged
@@ -109,7 +109,7 @@ def test_shards_are_checksummed_multipart_and_never_overwritten(
         assert store.list_names() == []
         # Another writer takes shard-00000 after this run listed the prefix.
         s3.put_object(Bucket=bucket, Key="store-keys/index-00000/shard-00000.safetensors", Body=b"theirs")
-        staged = store.stage_shard("shard-00000.safetensors", 12 * MiB)
+        staged = store.staging.reserve("shard-00000.safetensors", 12 * MiB)
         assert staged is not None
         big = random_file(staged.path, 12 * MiB)
         checksum = crc64nvme_file(big)
@@ -177,13 +177,13 @@ def test_part_bodies_are_signed_unless_turned_off(
 def test_staging_space_is_bounded(s3_env: None, bucket: str) -> None:
     store = open_store(output(bucket, "store-staging", shard_bytes="8KiB", max_staged_bytes="10KiB"), 0)
     try:
-        a = store.stage_shard("a", 6000)
+        a = store.staging.reserve("a", 6000)
         assert a is not None
         got_b = threading.Event()
-        waiter = threading.Thread(target=lambda: (store.stage_shard("b", 6000), got_b.set()))
+        waiter = threading.Thread(target=lambda: (store.staging.reserve("b", 6000), got_b.set()))
         waiter.start()
         assert not got_b.wait(0.3)  # 12000 bytes would exceed the bound: extraction waits
-        assert store.stage_shard("c", 6000, timeout_s=0.05) is None  # a bounded wait gives up
+        assert store.staging.reserve("c", 6000, timeout_s=0.05) is None  # a bounded wait gives up
         a.discard()
         a.discard()  # idempotent: the space is given back once
         assert got_b.wait(5)
@@ -192,7 +192,7 @@ def test_staging_space_is_bounded(s3_env: None, bucket: str) -> None:
         assert store.staging.high_water_bytes == 6000
         assert store.staging.waits == 1
         with pytest.raises(ConfigError, match=r"output\.max_staged_bytes.*output\.shard_bytes"):
-            store.stage_shard("huge", 20000)
+            store.staging.reserve("huge", 20000)
     finally:
         store.close()
 

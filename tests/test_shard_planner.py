@@ -58,7 +58,7 @@ def test_the_feed_opens_a_shard_before_handing_out_its_samples(tmp_path: Path) -
     writer = _writer(store, [])
     samples = [sample(f"s{i}", 20) for i in range(5)]
     with StopFlag() as stop:
-        inputs = BackendFeed(iter(samples), ShardPlanner(16 * 20 * 2, 16, 0), writer, store, stop)
+        inputs = BackendFeed(iter(samples), ShardPlanner(16 * 20 * 2, 16, 0), writer, store.staging, stop)
         got = []
         for item in inputs:
             assert item is not None
@@ -78,7 +78,7 @@ def test_the_feed_yields_none_while_staging_is_full_and_stops_on_request(tmp_pat
     one_shard = writer.layout(ShardPlan(0, samples[:2])).total_bytes
     store.staging = StagingArea(store.directory, limit=one_shard)  # room for one shard only
     with StopFlag() as stop:
-        inputs = iter(BackendFeed(iter(samples), planner, writer, store, stop))
+        inputs = iter(BackendFeed(iter(samples), planner, writer, store.staging, stop))
         assert [next(inputs).sample_id, next(inputs).sample_id] == ["s0", "s1"]  # type: ignore[union-attr]
         assert next(inputs) is None  # the second shard waits for space: "nothing new yet"
         assert next(inputs) is None

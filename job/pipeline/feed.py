@@ -16,7 +16,7 @@ from job.generate.stage import Regenerator
 from job.pipeline.stop import StopFlag
 from job.shards.planner import ShardPlan, ShardPlanner
 from job.shards.writer import ShardWriter
-from job.storage.base import IndexStore
+from job.storage.staging import StagingArea
 
 STAGING_POLL_S = 0.05
 
@@ -32,13 +32,13 @@ class BackendFeed:
         samples: Iterator[EncodedSample | GenerationStart],
         planner: ShardPlanner,
         writer: ShardWriter,
-        store: IndexStore,
+        staging: StagingArea,
         stop: StopFlag,
         regenerator: Regenerator | None = None,
         reject: Callable[[str, str], None] | None = None,
     ) -> None:
         self._samples, self._planner, self._writer = samples, planner, writer
-        self._store, self._stop = store, stop
+        self._staging, self._stop = staging, stop
         self._regenerator, self._reject = regenerator, reject
         self.planned_tokens = 0
         self.all_planned = False  # the input ran out (not a stop): planned_tokens is the total
@@ -90,7 +90,7 @@ class BackendFeed:
 
     def _start(self, plan: ShardPlan) -> Iterator[BackendInput | None]:
         layout = self._writer.layout(plan)
-        while (staged := self._store.stage_shard(plan.name, layout.total_bytes, STAGING_POLL_S)) is None:
+        while (staged := self._staging.reserve(plan.name, layout.total_bytes, STAGING_POLL_S)) is None:
             yield None
         self._writer.open(plan, staged, layout)
         for sample in plan.samples:

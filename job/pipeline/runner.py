@@ -173,7 +173,7 @@ class IndexRun:
             stream.accepted(rejections.add),
             planner,
             writer,
-            self.store,
+            self.store.staging,
             self.stop,
             regenerator,
             rejections.add,

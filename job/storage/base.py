@@ -32,7 +32,7 @@ class IndexStore(ABC):
 
     index: int
     location: str  # human-readable, for messages (never holds credentials)
-    staging: StagingArea
+    staging: StagingArea  # where shards are built before commit_shard; reserve() waits for space
     # True where the staged shard file becomes the output itself (a local directory):
     # rows may go to it with direct I/O, and commit_shard makes it durable. False where
     # staging is transient (uploaded, then deleted): the page cache serves it best.
@@ -55,11 +55,6 @@ class IndexStore(ABC):
     @abstractmethod
     def write_manifest(self, data: bytes, version: str | None) -> str | None:
         """Replace the manifest if it is still at ``version``; return the new version."""
-
-    def stage_shard(self, name: str, nbytes: int, timeout_s: float | None = None) -> StagedShard | None:
-        """Local space and a path for shard ``name`` (``nbytes`` exactly), waiting at most
-        ``timeout_s`` for space; None if there is none by then."""
-        return self.staging.reserve(name, nbytes, timeout_s)
 
     @abstractmethod
     def commit_shard(self, staged: StagedShard, checksum: str) -> CommittedShard:
