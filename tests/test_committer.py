@@ -100,10 +100,7 @@ class Pipeline:
 
     def open(self, number: int, members: list[EncodedSample]) -> ShardPlan:
         plan = ShardPlan(number, members)
-        layout = self.writer.layout(plan)
-        staged = self.store.staging.reserve(plan.name, layout.total_bytes)
-        assert staged is not None
-        self.writer.open(plan, staged, layout)
+        assert self.writer.open(plan, self.store.staging)
         return plan
 
     def close(self) -> None:
@@ -186,10 +183,7 @@ def test_fp8_rows_and_their_scales_are_split_into_the_same_pieces(tmp_path: Path
     writer = ShardWriter(context, committer.submit, direct_io=False)
     (member,) = samples(40)
     plan = ShardPlan(0, [member])
-    layout = writer.layout(plan)
-    staged = store.staging.reserve(plan.name, layout.total_bytes)
-    assert staged is not None
-    writer.open(plan, staged, layout)
+    assert writer.open(plan, store.staging)
     states = torch.randn(40, LAYERS, HIDDEN) * torch.logspace(-3, 3, 40)[:, None, None]
     rows, scales = fp8.encode(states)
     assert scales is not None
@@ -288,20 +282,18 @@ def test_finished_shards_carry_what_the_committer_needs(tmp_path: Path) -> None:
     writer = ShardWriter(CONTEXT, finished.append, direct_io=False)
     members = samples(2, 2)
     plan = ShardPlan(5, members)
-    layout = writer.layout(plan)
-    staged = store.staging.reserve(plan.name, layout.total_bytes)
-    assert staged is not None
-    writer.open(plan, staged, layout)
+    assert writer.open(plan, store.staging)
+    assert store.staging.used_bytes == writer.layout(plan).total_bytes  # the shard holds its space
     for sample in members:
         writer.write_rows(sample.sample_id, 0, rows_of(sample).view(torch.uint8).numpy().data)
     writer.finish_sample("s1", "bad")
     assert finished == []
     writer.finish_sample("s0")
     (shard,) = finished
-    assert shard.plan is plan and shard.staged is staged and shard.failed == {"s1": "bad"}
-    assert shard.checksum == crc64nvme_file(staged.path)
-    staged.discard()
-    assert store.staging.used_bytes == 0 and not staged.path.exists()
+    assert shard.plan is plan and shard.staged.name == plan.name and shard.failed == {"s1": "bad"}
+    assert shard.checksum == crc64nvme_file(shard.staged.path)
+    shard.staged.discard()
+    assert store.staging.used_bytes == 0 and not shard.staged.path.exists()
     store.close()
 
 
@@ -321,10 +313,7 @@ def test_rows_that_miss_direct_io_are_reported_once(tmp_path: Path) -> None:
         for number in (0, 1):
             (member,) = samples(3, prefix=f"n{number}-")
             plan = ShardPlan(number, [member])
-            layout = writer.layout(plan)
-            staged = store.staging.reserve(plan.name, layout.total_bytes)
-            assert staged is not None
-            writer.open(plan, staged, layout)
+            assert writer.open(plan, store.staging)
             rows = torch.randn(3 * 2 * hidden + 1)[1:].view(3, 2, hidden)  # 4 bytes off the page
             writer.write_rows(member.sample_id, 0, rows.view(torch.uint8).numpy().data)
             writer.finish_sample(member.sample_id)

@@ -38,10 +38,7 @@ CONTEXT = ShardContext(
 
 def _open(directory: Path, plan: ShardPlan, writer: ShardWriter) -> None:
     """Stage ``plan``'s shard in ``directory`` and open it, as the runner's feed does."""
-    layout = writer.layout(plan)
-    staged = StagingArea(directory, limit=None).reserve(plan.name, layout.total_bytes)
-    assert staged is not None
-    writer.open(plan, staged, layout)
+    assert writer.open(plan, StagingArea(directory, limit=None))
 
 
 def _samples() -> list[EncodedSample]:

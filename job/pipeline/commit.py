@@ -171,10 +171,7 @@ def _repack(
     finished: list[FinishedShard] = []
     writer = ShardWriter(context, finished.append, direct_io=direct_io)
     # Beside the original, outside any budget: the original's reservation covers the larger file.
-    layout = writer.layout(repacked)
-    target = StagingArea(staged.path.parent, limit=None).reserve(staged.name + ".repack", layout.total_bytes)
-    assert target is not None
-    writer.open(repacked, target, layout)
+    writer.open(repacked, StagingArea(staged.path.parent, limit=None), name=staged.name + ".repack")
     with safe_open(str(staged.path), framework="pt") as src:
         hidden = src.get_slice("hidden_states")
         scales = src.get_slice("hidden_states_scale") if "hidden_states_scale" in src.keys() else None  # noqa: SIM118
@@ -190,5 +187,5 @@ def _repack(
             )
             writer.finish_sample(sample.sample_id)
     assert finished, "repacked shard did not complete"
-    os.replace(target.path, staged.path)
+    os.replace(finished[0].staged.path, staged.path)
     return finished[0].checksum

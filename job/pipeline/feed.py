@@ -89,9 +89,7 @@ class BackendFeed:
             yield from self._start(plan)
 
     def _start(self, plan: ShardPlan) -> Iterator[BackendInput | None]:
-        layout = self._writer.layout(plan)
-        while (staged := self._staging.reserve(plan.name, layout.total_bytes, STAGING_POLL_S)) is None:
+        while not self._writer.open(plan, self._staging, STAGING_POLL_S):
             yield None
-        self._writer.open(plan, staged, layout)
         for sample in plan.samples:
             yield BackendInput(sample.sample_id, sample.input_ids)

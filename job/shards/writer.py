@@ -44,7 +44,7 @@ from job.errors import OutOfSpace
 from job.hidden_dtype import SCALE_BYTES, HiddenDtype
 from job.shards.format import DATA_ALIGNMENT, FORMAT_VERSION, ShardLayout
 from job.shards.planner import ShardPlan
-from job.storage.staging import StagedShard
+from job.storage.staging import StagedShard, StagingArea
 
 # Reserving a shard's blocks before anything is copied into its mapping turns "disk full"
 # into an error instead of SIGBUS on a page fault. It runs off the driver's thread (on tmpfs
@@ -167,9 +167,22 @@ class ShardWriter:
             len(plan.samples), plan.num_tokens, ctx.num_layers, ctx.hidden_size, ctx.dtype, metadata
         )
 
-    def open(self, plan: ShardPlan, staged: StagedShard, layout: ShardLayout) -> None:
-        """Create ``plan``'s shard file at ``staged.path`` with ``layout`` (``self.layout(plan)``,
-        which sized the staging): its header, ids and masks now, rows as they come."""
+    def open(
+        self,
+        plan: ShardPlan,
+        staging: StagingArea,
+        timeout_s: float | None = None,
+        *,
+        name: str | None = None,
+    ) -> bool:
+        """Reserve ``plan``'s shard file in ``staging`` (as ``name``, by default the plan's), waiting
+        at most ``timeout_s`` for the space (False if it is not free by then), and create it: its
+        header, ids and masks now, rows as they come. The reservation then belongs to the shard,
+        released when it is committed or discarded (``StagedShard.discard``)."""
+        layout = self.layout(plan)
+        staged = staging.reserve(name or plan.name, layout.total_bytes, timeout_s)
+        if staged is None:
+            return False
         offsets = np.zeros(len(plan.samples) + 1, np.int64)
         np.cumsum([s.num_tokens for s in plan.samples], out=offsets[1:])
         path = staged.path
@@ -206,6 +219,7 @@ class ShardWriter:
             self._open[plan.number] = shard
             for pos, sample in enumerate(plan.samples):
                 self._by_sample[sample.sample_id] = (shard, pos)
+        return True
 
     def write_rows(
         self, sample_id: str, start: int, rows: memoryview | bytes, scales: bytes | None = None
