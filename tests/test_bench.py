@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import hide_vllm, needs_vllm
+from conftest import VLLM_CPU_ENV, hide_vllm, needs_vllm
 
 pytest.register_assert_rewrite("s3_fixtures")
 
@@ -90,11 +90,7 @@ def test_the_job_group_needs_a_local_target() -> None:
 @pytest.mark.vllm
 @needs_vllm
 def test_the_job_group_runs_on_a_cpu_vllm(tmp_path: Path, job_cache: str) -> None:
-    env = {
-        **os.environ,
-        "JOB_CACHE_DIR": job_cache,
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-    }
+    env = {**os.environ, "JOB_CACHE_DIR": job_cache, **VLLM_CPU_ENV}
     rows, _ = _bench(
         tmp_path,
         env,

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NO_VLLM, hide_vllm, needs_vllm
+from conftest import NO_VLLM, VLLM_CPU_ENV, hide_vllm, needs_vllm
 
 from job.checksum import crc64nvme_file
 from job.errors import DamagedShard
@@ -313,7 +313,7 @@ def test_vllm_max_length_at_its_limit_writes_the_truncated_sample_whole(
         "--backend.name=vllm",
         f"--data.max_length={POSITIONS - 1}",
         *fast_args,
-        env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")},
+        env=VLLM_CPU_ENV,
         timeout=900,
     )
     assert result.rc == 0, result.describe()
