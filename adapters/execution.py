@@ -14,11 +14,14 @@ class StepResult:
         self._sampled = sampled
 
     def result(self) -> Any:
+        # execute_model's error first: after it failed, sample_tokens finds no state and returns
+        # None (0.16) or an output without the step's requests (0.26), which the scheduler's
+        # update would fail on with a KeyError naming a sample instead of the worker's error.
+        executed = self._executed.result()
         if self._sampled is None:
-            return self._executed.result()
+            return executed
         output = self._sampled.result()
-        if output is None:  # sample_tokens found no state: execute_model failed; raise its error
-            self._executed.result()
+        if output is None:
             raise RuntimeError("vLLM returned no model output for a step")
         return output
 

@@ -36,6 +36,7 @@ job/backends/hf.py                 test_layer_convention, test_shards_roundtrip,
 job/backends/vllm.py, job/worker/  test_vllm_e2e, test_vllm_tp, test_vllm_compiled, test_vllm_generate,
                                    test_ring
 adapters/, config/adapters.yaml    test_adapter_selection, test_vllm_contract, test_vllm_generate
+adapters/execution.py              test_vllm_e2e (a forward failing in the worker)
 job/generate/                      test_regeneration, test_vllm_generate, test_s3_job
 job/manifest.py, layout.py         test_resume, test_regeneration (side files), test_output_stability
 job/export.py                      test_export, test_s3_export

