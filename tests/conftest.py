@@ -8,7 +8,7 @@
 * ``fast_args``: flags that make a CPU run cheap (inline tokenizer, float32).
 * ``job_torch_threads``: in-process torch at the subprocesses' thread count (exact compares).
 * ``write_jsonl`` / ``write_parquet`` / ``read_jsonl``: data set and output files.
-* ``hide_vllm``: a PYTHONPATH under which vLLM cannot be imported.
+* ``hide_vllm``: a PYTHONPATH under which vLLM cannot be imported (``with_sitecustomize``).
 * ``vllm_job_env`` / ``run_vllm_job``: a ``python -m job run`` on vLLM's CPU build.
 
 Which tests cover which module (a change to the module runs these first):
@@ -117,12 +117,17 @@ def run_vllm_job(
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+def with_sitecustomize(site: Path, source: str) -> str:
+    """A PYTHONPATH (the outer one behind it) whose interpreters first run ``source``, written as
+    ``site``/sitecustomize.py."""
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(source)
+    return os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+
+
 def hide_vllm(directory: Path, how: str = "refused") -> str:
     """A PYTHONPATH under which ``import vllm`` fails the ``NO_VLLM[how]`` way (a sitecustomize)."""
-    site = directory / f"no-vllm-{how}"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(NO_VLLM[how])
-    return os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    return with_sitecustomize(directory / f"no-vllm-{how}", NO_VLLM[how])
 
 
 # Settings that make a CPU run as cheap as it gets without changing what is tested:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_vllm_job, vllm_job_env
+from conftest import run_vllm_job, vllm_job_env, with_sitecustomize
 
 from job.errors import EXIT_FAILURE, EXIT_TERMINATED
 from job.shards import iter_output
@@ -172,9 +172,6 @@ def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(tmp
     """The worker's own error is the run's error line (vLLM 0.26 answers a failed step's
     sample_tokens with an output lacking the step's requests, which once surfaced as a KeyError
     naming a sample), the exit code says a retry may succeed, and the rerun writes every sample."""
-    site = tmp_path / "report-amx-tiles"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(REPORT_AMX_TILES)
     out, cache = tmp_path / "out", tmp_path / "cache"
     args = [
         "--data.max_length=256",
@@ -183,7 +180,7 @@ def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(tmp
         f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}",
         "--backend.vllm.max_num_seqs=4",
     ]
-    pythonpath = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    pythonpath = with_sitecustomize(tmp_path / "report-amx-tiles", REPORT_AMX_TILES)
     proc = subprocess.run(
         [sys.executable, "-m", "job", "run", *args],
         env=vllm_job_env(cache, PYTHONPATH=pythonpath, JOB_BACKEND__VLLM__ENGINE_ARGS="{}"),
