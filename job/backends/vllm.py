@@ -13,6 +13,7 @@ input ids and positions before they are handed on.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections import deque
@@ -277,7 +278,12 @@ class VllmBackend(Backend):
                     break
                 continue
             scheduler_output, step = in_flight.popleft()
-            yield from self._completions(self.scheduler.update_from_output(scheduler_output, step.result()))
+            try:
+                output = step.result()
+            except Exception:
+                self._check_executor()  # a dead worker's step fails with a bare "cancelled"
+                raise
+            yield from self._completions(self.scheduler.update_from_output(scheduler_output, output))
             yield from self._take(pending)
         yield from self._drain(pending, lambda: self._taken >= self._executed)
         self.set_step_tokens(step_tokens)  # the next extract() starts where this one did
@@ -328,6 +334,16 @@ class VllmBackend(Backend):
         error = self.ring.worker_error
         if error:
             raise RuntimeError(f"capture worker failed: {error}")
+        self._check_executor()
+
+    def _check_executor(self) -> None:
+        """vLLM's multiprocessing executor watches its worker processes and marks itself failed
+        when one dies (the kernel's OOM killer, a crash in a kernel): without this check the driver
+        would wait on the ring for rows that never come."""
+        if getattr(self.executor, "is_failed", False):
+            workers = getattr(self.executor, "workers", None) or []
+            exits = ", ".join(f"{w.proc.name} {_exit_status(w.proc.exitcode)}" for w in workers)
+            raise RuntimeError(f"a vLLM worker process died, and vLLM shut its executor down ({exits})")
 
     def _drain(self, pending: dict[str, _Pending], done: Callable[[], bool]) -> Iterator[HiddenChunk]:
         """Hand on published steps until ``done()``: the worker publishes asynchronously."""
@@ -427,7 +443,19 @@ class VllmBackend(Backend):
             return
         self._closed = True
         try:
-            self.executor.collective_rpc("hs_close")
+            if not getattr(self.executor, "is_failed", False):  # a failed executor takes no calls
+                self.executor.collective_rpc("hs_close")
         finally:
             self.executor.shutdown()
             self.ring.close(unlink=True)
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "(no exit status yet)"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with {code}"
