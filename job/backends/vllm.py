@@ -340,10 +340,14 @@ class VllmBackend(Backend):
         """vLLM's multiprocessing executor watches its worker processes and marks itself failed
         when one dies (the kernel's OOM killer, a crash in a kernel): without this check the driver
         would wait on the ring for rows that never come."""
-        if getattr(self.executor, "is_failed", False):
+        if self._executor_failed:
             workers = getattr(self.executor, "workers", None) or []
             exits = ", ".join(f"{w.proc.name} {_exit_status(w.proc.exitcode)}" for w in workers)
             raise RuntimeError(f"a vLLM worker process died, and vLLM shut its executor down ({exits})")
+
+    @property
+    def _executor_failed(self) -> bool:
+        return bool(getattr(self.executor, "is_failed", False))
 
     def _drain(self, pending: dict[str, _Pending], done: Callable[[], bool]) -> Iterator[HiddenChunk]:
         """Hand on published steps until ``done()``: the worker publishes asynchronously."""
@@ -443,7 +447,7 @@ class VllmBackend(Backend):
             return
         self._closed = True
         try:
-            if not getattr(self.executor, "is_failed", False):  # a failed executor takes no calls
+            if not self._executor_failed:  # a failed executor takes no calls
                 self.executor.collective_rpc("hs_close")
         finally:
             self.executor.shutdown()
