@@ -4,8 +4,8 @@ backend's hidden states (bf16 tolerance), with batches of several requests,
 prefills chunked over several steps and the last steps shrunk
 (backend.vllm.final_step_tokens, left at its default): compiled (vLLM's default compilation, capture
 through the model's EAGLE-3 aux outputs and taps; on CPU, Dynamo + Inductor) and
-eager (forward hooks). A forward that fails inside vLLM's worker ends the run with the
-worker's error, and the rerun completes."""
+eager (forward hooks). A forward that fails inside vLLM's worker, or a worker that is killed,
+ends the run with the worker's error or death, and the rerun completes."""
 
 from __future__ import annotations
 
@@ -206,6 +206,66 @@ def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(tmp
     events = run_vllm_job(args, cache)
     finished = next(e for e in events if e["event"] == "run_finished")
     assert finished["status"] == "complete" and finished["written"] == len(list(iter_output(out))) > 30
+
+
+def test_a_worker_killed_mid_run_ends_the_run_naming_its_death(tmp_path: Path, write_jsonl: Any) -> None:
+    """A vLLM worker process that the kernel kills (the OOM killer at TP=8, say) ends the run with
+    an error line naming the dead worker and its signal, exit 1 (a retry may succeed), nothing half
+    written listed, and the rerun writes every sample exactly once. The worker is SIGKILLed once the
+    first shard is committed, with hundreds of samples still to go."""
+    import psutil
+
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "wizards"]
+    records = [
+        {
+            "id": f"long-{n:04d}",
+            "conversations": [
+                {"from": "human", "value": " ".join(words[(n + i) % len(words)] for i in range(60))},
+                {"from": "gpt", "value": " ".join(words[(n * 7 + i) % len(words)] for i in range(120))},
+            ],
+        }
+        for n in range(600)
+    ]
+    data = write_jsonl(tmp_path / "data.jsonl", records)
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    args = [
+        f"--data.path={data}",
+        "--data.max_length=256",
+        "--output.shard_bytes=256KiB",
+        f"--output.uri={out}",
+        "--backend.name=vllm",
+        f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}",
+        "--backend.vllm.max_num_seqs=4",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "job", "run", "--log.format=json", *args],
+        env=vllm_job_env(cache, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in proc.stdout:
+        if line.startswith("{") and json.loads(line)["event"] == "shard_committed":
+            break
+    (worker,) = [
+        p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("VLLM::Worker")
+    ]
+    worker.kill()
+    _rest, stderr = proc.communicate(timeout=120)
+
+    assert proc.returncode == EXIT_FAILURE, stderr[-3000:]
+    (error_line,) = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert error_line.startswith(
+        "error: unexpected failure (RuntimeError: a vLLM worker process died, and vLLM shut its "
+        "executor down (VllmWorker-0 killed by SIGKILL))"
+    ), error_line
+    assert "a rerun resumes" in error_line
+    committed = {s.sample_id for s in iter_output(out)}
+    assert 0 < len(committed) < len(records)
+    run_vllm_job(args, cache)
+    written = [s.sample_id for s in iter_output(out)]
+    assert sorted(written) == sorted(r["id"] for r in records)
+    print(f"\nworker killed with {len(committed)} of {len(records)} samples committed: exit 1")
 
 
 def _alive_in_session(session: int) -> list[Any]:
