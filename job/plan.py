@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -74,6 +75,7 @@ def plan_index(settings: JobSettings) -> str:
     planner = ShardPlanner(int(settings.output.shard_bytes), setup.bytes_per_token, 0)
     generation = _GenerationGuess(setup) if setup.sampling is not None else None
     samples = tokens = truncated = rejected = shards = 0
+    warnings: Counter[str] = Counter()
     try:
         for item in stream:
             if isinstance(item, GenerationStart):
@@ -85,6 +87,8 @@ def plan_index(settings: JobSettings) -> str:
             samples += 1
             tokens += item.num_tokens
             truncated += item.truncated
+            if item.warning is not None:
+                warnings[item.warning] += 1
             shards += sum(1 for _ in planner.add(item))
         shards += sum(1 for _ in planner.flush())
     finally:
@@ -111,6 +115,8 @@ def plan_index(settings: JobSettings) -> str:
         ("shards", f"{shards} of about {_human(int(settings.output.shard_bytes))}"),
         ("estimated time", _estimate(tokens, model.config, settings.backend.tensor_parallel_size)),
     ]
+    if warnings:
+        rows.insert(7, ("written with a warning", "; ".join(f"{n} x {w}" for w, n in warnings.most_common())))
     if generation is not None:
         rows[5:5] = generation.rows()
         tp = settings.backend.tensor_parallel_size

@@ -17,7 +17,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from job.data.encode import EncodedSample, EncoderSpec, RejectedSample, SampleEncoder
+from job.data.encode import (
+    REASONING_NOT_RENDERED,
+    EncodedSample,
+    EncoderSpec,
+    RejectedSample,
+    SampleEncoder,
+)
 from job.data.formats import parse_record
 from job.tiny import CHATML_TEMPLATE, LLAMA3_TEMPLATE, QWEN3_TEMPLATE, strip_generation_markers
 
@@ -307,6 +313,31 @@ def test_qwen3_template_drops_earlier_reasoning_and_marks_the_final_turn(
     assert "greet" not in text
     spans = [encoder.tokenizer.decode(s) for s in masked_spans(sample)]
     assert spans == ["Hello<|im_end|>", "<think>\nleaving\n</think>\n\nBye!<|im_end|>"]
+
+
+@pytest.mark.parametrize(
+    ("record", "warned"),
+    [
+        ("final-turn reasoning", {"llama3": True, "qwen3": False}),  # Qwen3 renders the final turn's
+        ("reasoning before the last user turn", {"llama3": True, "qwen3": True}),  # both drop it
+        ("no reasoning", {"llama3": False, "qwen3": False}),
+    ],
+)
+def test_a_sample_whose_reasoning_the_template_drops_is_written_with_a_warning(
+    tool_style: dict[str, Any], record: str, warned: dict[str, bool]
+) -> None:
+    records = {
+        "final-turn reasoning": {
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello", "reasoning_content": "greet"},
+            ]
+        },
+        "reasoning before the last user turn": AGENT,
+        "no reasoning": openai_record(TURNS),
+    }
+    sample = encode(tool_style["prefix_diff"], records[record])
+    assert sample.warning == (REASONING_NOT_RENDERED if warned[tool_style["name"]] else None)
 
 
 def test_one_pass_generation_spans_equal_transformers_own(tool_style: dict[str, Any]) -> None:

@@ -16,7 +16,13 @@ import torch
 
 from job.backends import extract_all
 from job.backends.hf import HFBackend
-from job.data.encode import EncodedSample, EncoderSpec, RejectedSample, SampleEncoder
+from job.data.encode import (
+    REASONING_NOT_RENDERED,
+    EncodedSample,
+    EncoderSpec,
+    RejectedSample,
+    SampleEncoder,
+)
 from job.hidden_dtype import hidden_dtype
 from job.model import resolve_model
 from job.settings import ModelSettings
@@ -106,6 +112,22 @@ CASES: list[tuple[Any, str, str | None]] = [
     ),
     ({"id": "ok-3", "input_ids": [5, 6, 7, 8]}, "ok-3", None),
 ]
+# Written, with a warning: tiny-llama's Llama 3.1 template renders no reasoning_content.
+WARNED = ["reasoning-dropped-1", "reasoning-dropped-2"]
+CASES += [
+    (
+        {
+            "id": sid,
+            "messages": [
+                {"role": "user", "content": "2 + 2?"},
+                {"role": "assistant", "content": "4", "reasoning_content": "Two and two make four."},
+            ],
+        },
+        sid,
+        None,
+    )
+    for sid in WARNED
+]
 WRITTEN = [sid for _, sid, reason in CASES if reason is None]
 REJECTED = [(sid, reason) for _, sid, reason in CASES if reason is not None]
 
@@ -121,8 +143,7 @@ def bad_run(
     root = tmp_path_factory.mktemp("bad")
     data = write_jsonl(root / "bad.jsonl", [line for line, _, _ in CASES])
     out = root / "out"
-    result = run_job(
-        "run",
+    args = (
         f"--data.path={data}",
         f"--output.uri={out}",
         f"--data.max_length={MAX_LENGTH}",
@@ -133,10 +154,10 @@ def bad_run(
         '--backend.vllm.engine_args={"download_dir": "/models/' + SECRET + '"}',
         # The default model.dtype (bfloat16): the other pipeline tests use float32.
         *(a for a in fast_args if not a.startswith("--model.dtype")),
-        env={"AWS_SECRET_ACCESS_KEY": SECRET},
     )
+    result = run_job("run", *args, env={"AWS_SECRET_ACCESS_KEY": SECRET})
     assert result.rc == 0, result.describe()
-    return {"result": result, "out": out, "index": out / "index-00000"}
+    return {"result": result, "args": args, "out": out, "index": out / "index-00000"}
 
 
 # --- per-record rejections --------------------------------------------------------------
@@ -184,6 +205,16 @@ def test_counts_account_for_every_record(bad_run: dict[str, Any]) -> None:
     assert manifest.counts.rejected == len(REJECTED)
     assert manifest.counts.truncated == 0  # too_long: skip rejects instead of truncating
     assert manifest.counts.written + manifest.counts.rejected == len(CASES)
+
+
+def test_plan_counts_what_the_run_rejects_and_warns_of(
+    bad_run: dict[str, Any], run_job: Callable[..., Any]
+) -> None:
+    result = run_job("plan", *bad_run["args"])
+    assert result.rc == 0, result.describe()
+    rows = dict(line.split("  ", 1) for line in result.stdout.splitlines())
+    assert rows["rejected"].strip() == str(len(REJECTED))
+    assert rows["written with a warning"].strip() == f"{len(WARNED)} x {REASONING_NOT_RENDERED}"
 
 
 def test_encoder_truncate_versus_skip(tiny_llama_dir: Path) -> None:
@@ -237,6 +268,12 @@ def test_stdout_is_json_lines_with_the_run_events(bad_run: dict[str, Any]) -> No
     assert finished["shards"] == len(manifest.shards)
     assert finished["tokens"] == sum(s.num_tokens for s in manifest.shards)
     assert len({e["run_id"] for e in events}) == 1
+
+    # A sample written without part of its record says so: its kind logged once, every one counted.
+    warned = [e for e in events if e["event"] == "sample_warning"]
+    assert [(e["sample_id"], e["warning"]) for e in warned] == [(WARNED[0], REASONING_NOT_RENDERED)]
+    assert finished["sample_warnings"] == {REASONING_NOT_RENDERED: len(WARNED)}
+    assert f"{len(WARNED)} written with a warning" in result.stderr
 
 
 def test_log_file_holds_the_same_events(bad_run: dict[str, Any], read_jsonl: Callable) -> None:

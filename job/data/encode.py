@@ -40,6 +40,7 @@ bytes by ``data.max_record_bytes`` (job.data.source).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -88,6 +89,8 @@ class EncodedSample:
     input_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # uint8 [T]
     truncated: bool
+    # written, but with something of the record left out (REASONING_NOT_RENDERED)
+    warning: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -228,8 +231,11 @@ class SampleEncoder:
         if isinstance(parsed, PreTokenized):
             ids, mask = self._pretokenized(parsed)
             return self._limit(sample_id, ids, mask, exact=True)
-        ids, mask, exact = self._conversation(parsed)
-        return self._limit(sample_id, ids, mask, exact)
+        ids, mask, exact, warning = self._conversation(parsed)
+        encoded = self._limit(sample_id, ids, mask, exact)
+        if warning is not None and isinstance(encoded, EncodedSample):
+            return dataclasses.replace(encoded, warning=warning)
+        return encoded
 
     def _generation_start(self, sample_id: str, parsed: Record) -> GenerationStart | RejectedSample:
         if isinstance(parsed, PreTokenized):
@@ -274,7 +280,7 @@ class SampleEncoder:
         )
         return ids.astype(np.int32), mask
 
-    def _conversation(self, conv: Conversation) -> tuple[np.ndarray, np.ndarray, bool]:
+    def _conversation(self, conv: Conversation) -> tuple[np.ndarray, np.ndarray, bool, str | None]:
         if not any(m["role"] == "assistant" for m in conv.messages):
             raise SampleRejected("no assistant turn: nothing to train on")
         template = self.template(conv.tools)
@@ -288,7 +294,7 @@ class SampleEncoder:
         _check_tools_rendered(conv, full, spans, located)
         if not self.spec.reasoning_in_loss:
             spans = _without_reasoning(full, spans)
-        return self._tokenize(full, spans)
+        return *self._tokenize(full, spans), _reasoning_warning(conv, full)
 
     def _render(
         self,
@@ -547,6 +553,22 @@ def _check_tools_rendered(
             f"the chat template did not render the tool definitions ({', '.join(missing)}): it ignores "
             "tools; set data.chat_template to one that renders them"
         )
+
+
+REASONING_NOT_RENDERED = (
+    "the chat template rendered none of the record's reasoning_content: the sample is written without "
+    "its reasoning; to keep it, set data.chat_template to a template that renders reasoning"
+)
+
+
+def _reasoning_warning(conv: Conversation, full: str) -> str | None:
+    """REASONING_NOT_RENDERED where the record's assistant messages carry reasoning and the render
+    holds none of it (a template without reasoning support; Qwen3's drops only earlier turns').
+    Written all the same: what the template renders is what the target sees."""
+    reasoning = [r.strip() for m in conv.messages if (r := m.get("reasoning_content")) and r.strip()]
+    if reasoning and not any(r in full for r in reasoning):
+        return REASONING_NOT_RENDERED
+    return None
 
 
 def _json_escaped(text: str) -> str:

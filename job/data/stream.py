@@ -97,14 +97,19 @@ class EncodedStream:
                 self._queue.get(timeout=0.1)
         self._thread.join()
 
-    def accepted(self, on_rejected: Callable[[str, str], None]) -> Iterator[EncodedSample | GenerationStart]:
+    def accepted(
+        self, on_rejected: Callable[[str, str], None], on_warning: Callable[[str, str], None]
+    ) -> Iterator[EncodedSample | GenerationStart]:
         """The encoded samples (or conversations to regenerate); each rejected one goes to
-        ``on_rejected(sample_id, reason)``."""
+        ``on_rejected(sample_id, reason)``, each one encoded with a warning also to
+        ``on_warning(sample_id, warning)``."""
         for item in self:
             if isinstance(item, RejectedSample):
                 on_rejected(item.sample_id, item.reason)
-            else:
-                yield item
+                continue
+            if isinstance(item, EncodedSample) and item.warning is not None:
+                on_warning(item.sample_id, item.warning)
+            yield item
 
     def __iter__(self) -> Iterator[EncodedSample | RejectedSample | GenerationStart]:
         while True:

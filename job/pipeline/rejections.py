@@ -1,4 +1,6 @@
-"""``rejected.jsonl``: written as samples are rejected, published when the index completes."""
+"""What the run says of samples it does not write as given: ``rejected.jsonl`` (written as samples
+are rejected, published when the index completes), and warnings about samples written with part of
+their record left out (logged once per kind, counted in ``run_finished``)."""
 
 from __future__ import annotations
 
@@ -46,3 +48,26 @@ class Rejections:
         with self._lock:
             if not self._file.closed:
                 self._file.close()
+
+
+class SampleWarnings:
+    """Counts each kind of warning; the first sample of each kind is logged, as one line per
+    sample would flood the log of a run over millions."""
+
+    def __init__(self, log: Any) -> None:
+        self._lock = threading.Lock()
+        self._log = log
+        self.counts: Counter[str] = Counter()
+
+    def add(self, sample_id: str, warning: str) -> None:
+        """Record one sample's warning (any thread)."""
+        with self._lock:
+            self.counts[warning] += 1
+            first = self.counts[warning] == 1
+        if first:
+            self._log.warning(
+                "sample_warning",
+                sample_id=sample_id,
+                warning=warning,
+                note="the first sample with this warning; run_finished counts them all",
+            )

@@ -23,7 +23,7 @@ from job.layout import REJECTED, log_name
 from job.logs import get_logger, log_file
 from job.pipeline.commit import Committer
 from job.pipeline.feed import BackendFeed
-from job.pipeline.rejections import Rejections
+from job.pipeline.rejections import Rejections, SampleWarnings
 from job.pipeline.resume import Resumed, resume
 from job.pipeline.routing import ChunkRouter
 from job.pipeline.setup import RunSetup, new_run_id, prepare_run
@@ -62,6 +62,7 @@ class _Wiring:
     router: ChunkRouter
     committer: Committer
     rejections: Rejections
+    warnings: SampleWarnings
     progress: Progress
     regenerator: Regenerator | None
 
@@ -137,6 +138,7 @@ class IndexRun:
         setup, settings, manifest = self.setup, self.setup.settings, self.resumed.manifest
         rejections = Rejections(self.store.local_path(REJECTED + ".partial"), self.log)
         cleanup.callback(rejections.close)
+        warnings = SampleWarnings(self.log)
         stream = self._start_tokenization()  # first: it fills its queue while the engine loads
         cleanup.callback(stream.close)
         backend = self._start_backend(cleanup)
@@ -170,7 +172,7 @@ class IndexRun:
             int(settings.output.shard_bytes), setup.bytes_per_token, self.resumed.next_shard_number
         )
         inputs = BackendFeed(
-            stream.accepted(rejections.add),
+            stream.accepted(rejections.add, warnings.add),
             planner,
             writer,
             self.store.staging,
@@ -180,7 +182,9 @@ class IndexRun:
         )
         progress = Progress(self.log, settings.log.progress_interval_s)
         cleanup.callback(progress.close)
-        return _Wiring(stream, backend, inputs, writer, router, committer, rejections, progress, regenerator)
+        return _Wiring(
+            stream, backend, inputs, writer, router, committer, rejections, warnings, progress, regenerator
+        )
 
     def _start_tokenization(self) -> EncodedStream:
         settings = self.setup.settings
@@ -346,10 +350,16 @@ class IndexRun:
         }
         if manifest.generation is not None:  # over every run of the index, like "written"
             totals["generation"] = manifest.generation.model_dump()
+        if w.warnings.counts:  # this run's samples, by warning
+            totals["sample_warnings"] = dict(w.warnings.counts)
         self.log.info("run_finished", **totals)
         totals["summary"] = (
             f"done: index {self.setup.settings.work.index} complete at {self.store.location}: "
             f"{totals['written']} samples written ({written_now} this run), {totals['rejected']} rejected "
             f"(listed in {self.store.location}/{REJECTED}), {totals['shards']} shards"
         )
+        if w.warnings.counts:
+            totals["summary"] += (
+                f"; {w.warnings.counts.total()} written with a warning (sample_warning in the log)"
+            )
         return totals
