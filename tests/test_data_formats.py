@@ -432,6 +432,17 @@ def test_openai_tool_messages_keep_what_templates_read() -> None:
             "must be a non-empty list of tool calls",
         ),
         ({"conversations": [{"from": "function_call", "value": "{oops"}]}, "sharegpt", "not valid JSON"),
+        # Two formats' fields: auto would read one and ignore the other.
+        (
+            {"messages": [{"role": "user", "content": "q"}], "input_ids": [1, 2]},
+            "auto",
+            "holds both 'messages' (openai) and 'input_ids' (tokenized): data.format auto cannot tell",
+        ),
+        (
+            {"conversations": [], "messages": []},
+            "auto",
+            "holds both 'conversations' (sharegpt) and 'messages' (openai)",
+        ),
     ],
 )
 def test_records_that_do_not_fit_name_the_field(record: dict[str, Any], fmt: str, phrase: str) -> None:

@@ -75,9 +75,14 @@ _FORMAT_FIELDS = (("conversations", "sharegpt"), ("messages", "openai"), ("input
 
 
 def detect_format(value: dict[str, Any]) -> str:
-    for field, name in _FORMAT_FIELDS:
-        if field in value:
-            return name
+    present = [(field, name) for field, name in _FORMAT_FIELDS if field in value]
+    if len(present) > 1:  # reading one would silently ignore the other
+        fields = " and ".join(f"'{field}' ({name})" for field, name in present)
+        raise SampleRejected(
+            f"holds both {fields}: data.format auto cannot tell which to read; set data.format"
+        )
+    if present:
+        return present[0][1]
     raise SampleRejected(
         "no 'conversations' (sharegpt), 'messages' (openai) or 'input_ids' (tokenized) field"
     )
