@@ -74,7 +74,7 @@ class LayerSettings(Section):
             if not ids:
                 raise ValueError("give at least one layer id, or omit layers.ids for the default")
             if len(set(ids)) != len(ids):
-                raise ValueError(f"layer ids must be unique, got {ids}")
+                raise ValueError("layer ids must be unique")
         return ids
 
 
