@@ -16,7 +16,7 @@ import pytest
 
 from job.data.encode import EncodedSample, EncoderSpec, RejectedSample
 from job.data.source import list_input_files, read_records
-from job.data.stream import CHUNK, EncodedStream, owner_index
+from job.data.stream import CHUNK, EncodedStream, TokenizerProcessDied, owner_index
 
 NUM = 3 * CHUNK + 5  # several chunks, so several workers really interleave
 
@@ -139,3 +139,43 @@ def test_close_mid_stream_returns(data: Path, spec: EncoderSpec) -> None:
     assert first.sample_id == "r-000"
     assert not stream._thread.is_alive()
     assert np.all(np.asarray(first.loss_mask)[-2:] == 1)
+
+
+def test_a_tokenizer_process_killed_mid_stream_ends_it_with_a_clear_error(
+    tmp_path: Path, write_jsonl: Callable[..., Path], spec: EncoderSpec
+) -> None:
+    """What the kernel's OOM killer does to a tokenizer process: the stream ends with an error
+    naming the tokenizer processes and what to change, not the pool's bare BrokenProcessPool."""
+    import psutil
+
+    records = [
+        {
+            "id": f"k-{i}",
+            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+        }
+        for i in range(100 * CHUNK)
+    ]
+    data = write_jsonl(tmp_path / "many.jsonl", records)
+    stream = EncodedStream(
+        read_records(list_input_files(str(data))),
+        spec,
+        index=0,
+        count=1,
+        done_ids=set(),
+        workers=1,
+        prefetch=CHUNK,
+    )
+    try:
+        items = iter(stream)
+        next(items)  # the pool is up; the bounded queue holds the producer far from the end
+        (tokenizer,) = [
+            p for p in psutil.Process().children() if "multiprocessing.spawn" in " ".join(p.cmdline())
+        ]
+        tokenizer.kill()
+        with pytest.raises(
+            TokenizerProcessDied, match=r"a tokenizer process \(data.tokenizer_workers\) died"
+        ):
+            for _ in items:
+                pass
+    finally:
+        stream.close()

@@ -15,18 +15,31 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from typing import Any
 
 from job.data.encode import EncodedSample, EncoderSpec, GenerationStart, RejectedSample, SampleEncoder
 from job.data.source import MAX_ID_BYTES, Record
+from job.errors import JobError
 
 CHUNK = 32
 # A chunk also ends once its records hold this many raw bytes: a run of large records
 # travels to the tokenizer processes a few at a time, not 32 at once.
 CHUNK_BYTES = 16 * 1024**2
 _DONE = object()
+
+
+class TokenizerProcessDied(JobError):
+    def __init__(self) -> None:
+        super().__init__(
+            "a tokenizer process (data.tokenizer_workers) died while tokenizing: the kernel's OOM killer "
+            "is the usual cause, as a record's memory peak grows with its size; give the job more memory, "
+            "or lower data.max_record_bytes or data.tokenizer_workers. Committed shards are kept; a rerun "
+            "resumes"
+        )
+
 
 _worker_encoder: SampleEncoder | None = None
 
@@ -191,6 +204,10 @@ class EncodedStream:
                 ) as pool:
                     self._run(lambda chunk: pool.submit(_encode_chunk, chunk))
             self._put(_DONE)
+        except BrokenProcessPool as exc:
+            died = TokenizerProcessDied()
+            died.__cause__ = exc
+            self._put(died)
         except BaseException as exc:  # surfaced in the consumer's thread
             self._put(exc)
 
