@@ -9,7 +9,8 @@ argument: a string naming it (or naming its shard, once it has one), an object w
 those. Generator resumptions are not calls. Prints the files in the order the sample entered
 them, with the functions, then the counts: distinct files, entries, the files it entered
 again after leaving, and which of those it entered again through another module (not by one of
-the file's own functions calling another after a call out returned). Use
+the file's own functions calling another after a call out returned), for the whole walk and for
+the part up to the commit of the sample's shard. Use
 ``--data.tokenizer_workers=0`` (tokenizer processes are not traced).
 """
 
@@ -88,22 +89,34 @@ class Walk:
                 entries.append((file, [function], caller))
             elif function not in entries[-1][1]:
                 entries[-1][1].append(function)
-        order = [file for file, _, _ in entries]
-        again = sorted({f for f in order if order.count(f) > 1})
-        # Entered again through another module (a callback, a later stage), not by one of its own
-        # functions calling another after a call out returned.
-        seen: set[str] = set()
-        from_outside: set[str] = set()
-        for file, _, caller in entries:
-            if file in seen and caller != file:
-                from_outside.add(file)
-            seen.add(file)
         lines = [f"{file:34s} {', '.join(functions)}" for file, functions, _ in entries]
-        lines.append(
-            f"{len(set(order))} files, {len(order)} entries; entered again: {', '.join(again) or 'none'}; "
-            f"of those, from another module: {', '.join(sorted(from_outside)) or 'none'}"
+        lines.append(f"whole walk: {_counts(entries)}")
+        # Up to the shard's key, as the issue counts it ("from a JSONL line to its S3 key"): what
+        # follows lists the durable shard in the manifest, rewritten after every later shard too.
+        committed = next(
+            (i for i, (_, functions, _) in enumerate(entries) if "commit_shard" in functions), None
         )
+        if committed is not None:
+            lines.append(f"to the shard's commit: {_counts(entries[: committed + 1])}")
         return "\n".join(lines)
+
+
+def _counts(entries: list[tuple[str, list[str], str]]) -> str:
+    """Distinct files, entries, the files entered again after leaving, and which of those were
+    entered again through another module (a callback, a later stage), not by one of the file's
+    own functions calling another after a call out returned."""
+    order = [file for file, _, _ in entries]
+    again = sorted({f for f in order if order.count(f) > 1})
+    seen: set[str] = set()
+    from_outside: set[str] = set()
+    for file, _, caller in entries:
+        if file in seen and caller != file:
+            from_outside.add(file)
+        seen.add(file)
+    return (
+        f"{len(set(order))} files, {len(order)} entries; entered again: {', '.join(again) or 'none'}; "
+        f"of those, from another module: {', '.join(sorted(from_outside)) or 'none'}"
+    )
 
 
 def _relative(filename: str) -> str:
