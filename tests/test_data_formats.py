@@ -432,6 +432,11 @@ def test_openai_tool_messages_keep_what_templates_read() -> None:
             "must be a non-empty list of tool calls",
         ),
         ({"conversations": [{"from": "function_call", "value": "{oops"}]}, "sharegpt", "not valid JSON"),
+        (
+            {"tools": "get_weather", "messages": [{"role": "user", "content": "q"}]},
+            "openai",
+            "'tools' (a string: read as the JSON of a list of tool definitions): not valid JSON",
+        ),
         # Two formats' fields: auto would read one and ignore the other.
         (
             {"messages": [{"role": "user", "content": "q"}], "input_ids": [1, 2]},

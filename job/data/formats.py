@@ -296,7 +296,7 @@ def _tools(raw: Any, where: str) -> list[dict[str, Any]] | None:
     if raw is None or raw == "" or raw == []:
         return None
     if isinstance(raw, str):
-        raw = _json_value(raw, f"'{where}'")
+        raw = _json_value(raw, f"'{where}' (a string: read as the JSON of a list of tool definitions)")
     if not isinstance(raw, list):
         raise SampleRejected(f"'{where}' must be a list of tool definitions, got {_type_name(raw)}")
     tools = []
