@@ -213,6 +213,17 @@ class VllmBackend(Backend):
     def extract(
         self, inputs: Iterator[BackendInput | GenerationInput | None]
     ) -> Iterator[HiddenChunk | Completion]:
+        try:
+            yield from self._steps(inputs)
+        except Exception:
+            # A dead worker surfaces as whichever vLLM call comes next: a step's result ("cancelled"),
+            # the next step's submission ("Executor failed."), an RPC. Name the death instead.
+            self._check_executor()
+            raise
+
+    def _steps(
+        self, inputs: Iterator[BackendInput | GenerationInput | None]
+    ) -> Iterator[HiddenChunk | Completion]:
         source = iter(inputs)
         exhausted = False
         pending: dict[str, _Pending] = {}  # extraction requests, by sample id
@@ -278,11 +289,7 @@ class VllmBackend(Backend):
                     break
                 continue
             scheduler_output, step = in_flight.popleft()
-            try:
-                output = step.result()
-            except Exception:
-                self._check_executor()  # a dead worker's step fails with a bare "cancelled"
-                raise
+            output = step.result()
             yield from self._completions(self.scheduler.update_from_output(scheduler_output, output))
             yield from self._take(pending)
         yield from self._drain(pending, lambda: self._taken >= self._executed)
