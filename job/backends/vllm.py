@@ -12,6 +12,7 @@ input ids and positions before they are handed on.
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import os
 import signal
 import threading
@@ -348,9 +349,18 @@ class VllmBackend(Backend):
         when one dies (the kernel's OOM killer, a crash in a kernel): without this check the driver
         would wait on the ring for rows that never come."""
         if self._executor_failed:
-            workers = getattr(self.executor, "workers", None) or []
-            exits = ", ".join(f"{w.proc.name} {_exit_status(w.proc.exitcode)}" for w in workers)
-            raise RuntimeError(f"a vLLM worker process died, and vLLM shut its executor down ({exits})")
+            processes = [w.proc for w in getattr(self.executor, "workers", None) or []]
+            # vLLM marks the executor failed when a worker's sentinel fires, which can be a moment
+            # before the dead process is reaped: wait for the exit status of those that ended, and
+            # name only them (at TP=8 the others are alive, or stopped by vLLM's shutdown).
+            ended = set(multiprocessing.connection.wait([p.sentinel for p in processes], timeout=0))
+            exits = []
+            for process in processes:
+                if process.sentinel in ended:
+                    process.join(timeout=5)
+                    exits.append(f"{process.name} {_exit_status(process.exitcode)}")
+            which = f" ({', '.join(exits)})" if exits else ""
+            raise RuntimeError(f"a vLLM worker process died, and vLLM shut its executor down{which}")
 
     @property
     def _executor_failed(self) -> bool:
