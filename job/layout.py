@@ -9,6 +9,8 @@
     index-{i:05d}/manifest.json               the commit record, rewritten after every shard
     index-{i:05d}/rejected.jsonl              one {"sample_id", "reason"} per rejected sample
     index-{i:05d}/logs/{run_id}.jsonl         each run's JSON event stream
+    extraction.json                           what every index shares (settings, data, work.count),
+                                              written once by the first run: one output, one extraction
 
 A leaf module: every writer and reader of the layout, local or remote, takes the
 names from here.
@@ -17,6 +19,7 @@ names from here.
 from __future__ import annotations
 
 MANIFEST = "manifest.json"
+EXTRACTION = "extraction.json"
 REJECTED = "rejected.jsonl"
 LOGS = "logs"
 SHARD_SUFFIX = ".safetensors"

@@ -71,6 +71,23 @@ class Counts(BaseModel):
     truncated: int = 0
 
 
+# The setting (or input) each identity field comes from, for messages about a change.
+IDENTITY_SETTINGS = {
+    "model_config_hash": "model.path (the model's config.json)",
+    "layer_ids": "layers.ids",
+    "storage": "the stored dtype (model.dtype, output.hidden_dtype)",
+    "data_fingerprint": "data.path (the input files' names, sizes or contents)",
+    "data_format": "data.format",
+    "max_length": "data.max_length",
+    "too_long": "data.too_long",
+    "reasoning_in_loss": "data.reasoning_in_loss",
+    "generation": "generate.*",
+    "tokenizer_fingerprint": "the tokenizer (model.path) or data.chat_template",
+    "work_index": "work.index",
+    "work_count": "work.count",
+}
+
+
 class Identity(BaseModel):
     """What must match for a run to resume (append to) an existing index."""
 
@@ -88,6 +105,15 @@ class Identity(BaseModel):
     tokenizer_fingerprint: str
     work_index: int
     work_count: int
+
+    def changes(self, new: Identity) -> list[str]:
+        """What differs from ``new``, each named by the setting behind it."""
+        old_values, new_values = self.model_dump(), new.model_dump()
+        return [
+            f"{IDENTITY_SETTINGS[key]} ({key}: {old_values[key]!r} -> {value!r})"
+            for key, value in new_values.items()
+            if old_values[key] != value
+        ]
 
 
 class Manifest(BaseModel):
@@ -150,9 +176,8 @@ class Manifest(BaseModel):
     def check_resumable(self, identity: Identity, where: str) -> None:
         if self.identity == identity:
             return
-        old, new = self.identity.model_dump(), identity.model_dump()
-        changed = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in new if old.get(k) != new[k])
+        changed = "; ".join(self.identity.changes(identity))
         raise ConfigError(
-            f"{where} was written with different settings or data ({changed}); "
-            "resume needs the same ones, or use a new output.uri"
+            f"{where} was written with different settings or data: {changed}. "
+            "Resume needs the same ones, or use a new output.uri"
         )

@@ -301,6 +301,24 @@ def test_resume_with_other_data_is_refused(
     assert file_digests(out) == before
 
 
+def test_an_index_with_another_work_count_than_the_outputs_others_is_refused(
+    base: dict[str, Any], tmp_path: Path, run_job: Callable[..., Any]
+) -> None:
+    """Index 1 of 2 beside a finished index 0 of 1 would hash the samples differently and write
+    some a second time: the output's extraction.json, written by its first run, refuses it before
+    anything is written, and the refused run leaves no index directory for readers to trip on."""
+    out = copy_output(base, tmp_path)
+    before = file_digests(out)
+    result = run_job("run", f"--output.uri={out}", *base["args"], "--work.index=1", "--work.count=2")
+    assert result.rc == 2, result.describe()
+    (line,) = result.stderr.strip().splitlines()
+    assert "the other indexes of this output were extracted with different settings" in line
+    assert "work.count (work_count: 1 -> 2)" in line and "use a new output.uri" in line
+    assert file_digests(out) == before
+    assert sorted(p.name for p in out.iterdir()) == ["extraction.json", "index-00000"]
+    assert json.loads((out / "extraction.json").read_text())["work_count"] == 1
+
+
 def test_two_runs_on_one_index_are_refused(
     base: dict[str, Any], tmp_path: Path, run_job: Callable[..., Any]
 ) -> None:

@@ -117,6 +117,22 @@ def test_happy_path(reference: Reference, s3: Any, bucket: str) -> None:
     )
 
 
+def test_an_index_with_another_work_count_is_refused(
+    reference: Reference, s3_endpoint: str, s3: Any, bucket: str, job_cache: str
+) -> None:
+    """The output's extraction.json (written create-only by the reference run) refuses index 1
+    of 2 beside index 0 of 1: the samples would be split differently and some written twice."""
+    recorded = json.loads(s3.get_object(Bucket=bucket, Key="reference/extraction.json")["Body"].read())
+    assert recorded["work_count"] == 1 and "work_index" not in recorded
+    args = job_args(**s3_uris(bucket, "reference"), work__index="1", work__count="2")
+    job = run_job(args, job_env(s3_endpoint, job_cache))
+    assert job.proc.returncode == EXIT_CONFIG, job.tail()
+    errors = [line for line in job.stderr if line.startswith("error: ")]
+    assert len(errors) == 1 and "work.count (work_count: 1 -> 2)" in errors[0], job.tail()
+    listing = s3.list_objects_v2(Bucket=bucket, Prefix="reference/index-00001/")
+    assert listing.get("KeyCount", 0) == 0
+
+
 def _uploaded(requests: list[Any]) -> set[str]:
     return {r.path for r in requests if r.operation in ("PutObject", "CompleteMultipartUpload")}
 

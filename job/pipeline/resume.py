@@ -8,12 +8,13 @@ and never read (object stores), and new shards take numbers above every name pre
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from job.errors import ConfigError, DamagedShard
-from job.layout import MANIFEST, REJECTED, is_log, shard_number
-from job.manifest import Manifest
+from job.layout import EXTRACTION, MANIFEST, REJECTED, is_log, shard_number
+from job.manifest import Identity, Manifest
 from job.model import LAYER_CONVENTION
 from job.pipeline.setup import RunSetup
 from job.settings import OutputSettings
@@ -30,10 +31,11 @@ class Resumed:
 
 def resume(setup: RunSetup, store: IndexStore, log: Any) -> Resumed:
     data, version = store.read_manifest()
-    if data is not None:
-        manifest = Manifest.from_bytes(data, store.location)
+    manifest = None if data is None else Manifest.from_bytes(data, store.location)
+    if manifest is not None:
         manifest.check_resumable(setup.identity, store.location)
-    else:
+    _check_same_extraction(setup.identity, store)
+    if manifest is None:
         model = setup.model
         manifest = Manifest(
             identity=setup.identity,
@@ -54,6 +56,25 @@ def resume(setup: RunSetup, store: IndexStore, log: Any) -> Resumed:
             store.discard(name)
     next_number = max((n for name in names if (n := shard_number(name)) is not None), default=-1) + 1
     return Resumed(manifest, version, next_number, manifest.counts.written)
+
+
+def _check_same_extraction(identity: Identity, store: IndexStore) -> None:
+    """Every index of one output holds one extraction: the same model, layers, data, settings and
+    work.count. The first run to start writes what that is (``EXTRACTION``); an index run with
+    anything else, a different work.count above all, would split the samples differently and
+    write some twice."""
+    ours = identity.model_dump(mode="json", exclude={"work_index"})
+    found = store.claim_output(json.dumps(ours, indent=1, sort_keys=True).encode())
+    where = f"{EXTRACTION} beside {store.location}"
+    try:
+        theirs = Identity.model_validate({**json.loads(found), "work_index": identity.work_index})
+    except ValueError as exc:
+        raise ConfigError(f"{where} is not one this job understands ({exc}); use a new output.uri") from None
+    if changed := theirs.changes(identity):
+        raise ConfigError(
+            f"the other indexes of this output were extracted with different settings or data ({where}): "
+            f"{'; '.join(changed)}. Every index of one output.uri needs the same ones; use a new output.uri"
+        )
 
 
 def _check_committed(manifest: Manifest, store: IndexStore, output: OutputSettings, log: Any) -> None:

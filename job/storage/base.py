@@ -57,6 +57,11 @@ class IndexStore(ABC):
         """Replace the manifest if it is still at ``version``; return the new version."""
 
     @abstractmethod
+    def claim_output(self, data: bytes) -> bytes:
+        """Write ``data`` as the output's ``EXTRACTION`` file (beside the index directories) unless
+        one exists, atomically and create-only; return what the file holds."""
+
+    @abstractmethod
     def commit_shard(self, staged: StagedShard, checksum: str) -> CommittedShard:
         """Publish a finished shard (never overwriting one), durably; the staged shard is
         discarded (its space given back) whether or not this succeeds."""

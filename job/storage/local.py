@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,7 +13,7 @@ from typing import IO
 
 from job.checksum import crc64nvme_file
 from job.errors import ConfigError, DamagedShard
-from job.layout import MANIFEST, PARTIAL, index_dir_name
+from job.layout import EXTRACTION, MANIFEST, PARTIAL, index_dir_name
 from job.manifest import StoredFile
 from job.storage.base import CommittedShard, IndexStore, ShardSource, SourceIndex
 from job.storage.staging import StagedShard, StagingArea
@@ -76,6 +78,21 @@ class LocalIndexStore(IndexStore):
         self._write_atomic(self.directory / MANIFEST, data)
         return None
 
+    def claim_output(self, data: bytes) -> bytes:
+        target = self.directory.parent / EXTRACTION
+        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{EXTRACTION}.", delete=False) as tmp:
+            tmp.write(data)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        try:
+            os.link(tmp.name, target)  # create-only, and never seen half written
+            _fsync_dir(target.parent)
+            return data
+        except FileExistsError:
+            return target.read_bytes()
+        finally:
+            os.unlink(tmp.name)
+
     def commit_shard(self, staged: StagedShard, checksum: str) -> CommittedShard:
         try:
             final = self.directory / staged.name
@@ -117,6 +134,12 @@ class LocalIndexStore(IndexStore):
         return path
 
     def close(self) -> None:
+        # A run that wrote nothing (refused at resume) leaves no index directory: readers would
+        # take it for an index of the output that has committed nothing yet.
+        if [p.name for p in self.directory.iterdir()] == [".lock"]:
+            (self.directory / ".lock").unlink()
+            with contextlib.suppress(OSError):  # another run has just created its own lock there
+                self.directory.rmdir()
         self._lock.close()
 
     @staticmethod

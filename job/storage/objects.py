@@ -27,7 +27,7 @@ from awscrt.checksums import crc64nvme
 
 from job.checksum import encode
 from job.errors import ConfigError, DamagedShard, JobError, StorageError, Superseded
-from job.layout import MANIFEST, index_dir_name, is_log, shard_name, shard_number
+from job.layout import EXTRACTION, MANIFEST, index_dir_name, is_log, shard_name, shard_number
 from job.logs import get_logger
 from job.manifest import StoredFile
 from job.settings import OutputSettings
@@ -50,7 +50,8 @@ class ObjectIndexStore(IndexStore):
     ) -> None:
         self.index = index
         self.transport = transport
-        self.prefix = f"{root}/{index_dir_name(index)}/" if root else f"{index_dir_name(index)}/"
+        self._root_prefix = f"{root}/" if root else ""
+        self.prefix = f"{self._root_prefix}{index_dir_name(index)}/"
         self.location = transport.url(self.prefix.rstrip("/"))
         self._log = get_logger(work_index=index, output=self.location)
         self._staging_root = _make_staging_dir(output, index)
@@ -133,6 +134,20 @@ class ObjectIndexStore(IndexStore):
             # so none of them is this run's.) Hygiene only: a failure is reported, not fatal.
             self._abort_uploads()
         return new_version
+
+    def claim_output(self, data: bytes) -> bytes:
+        key = self._root_prefix + EXTRACTION
+        try:
+            self.transport.put(key, data, "application/json", create_only=True)
+            return data
+        except PreconditionFailed:  # present (or this very write, retried after it succeeded)
+            found = self.transport.get(key)
+            if found is None:
+                raise StorageError(
+                    f"{self.transport.url(key)}: present when written create-only, gone when read back; "
+                    "is something deleting it?"
+                ) from None
+            return found[0]
 
     def _abort_uploads(self, only_keys: set[str] | None = None) -> None:
         try:
