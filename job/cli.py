@@ -76,8 +76,8 @@ def _parser() -> argparse.ArgumentParser:
         "--verify", action="store_true", help="recompute every listed shard's checksum; exit 1 on a mismatch"
     )
     compare = commands.add_parser("compare", help=COMMANDS["compare"], description=COMMANDS["compare"])
-    compare.add_argument("path", help="the candidate output directory")
-    compare.add_argument("--reference", required=True, help="the reference output directory")
+    compare.add_argument("path", help="the candidate output (a directory or s3://bucket/prefix)")
+    compare.add_argument("--reference", required=True, help="the reference output (a directory or s3://...)")
     compare.add_argument("--tolerance", type=float, default=2e-2, help="max relative error (default 0.02)")
     export = commands.add_parser(
         "export",

@@ -41,10 +41,10 @@ class Comparison:
 
 
 def compare_outputs(candidate: str | Path, reference: str | Path) -> Comparison:
-    ref = {s.sample_id: s for s in iter_output(reference)}
+    ref = {s.sample_id: s for s in iter_output(reference, setting="compare --reference")}
     result = Comparison()
     seen = set()
-    for sample in iter_output(candidate):
+    for sample in iter_output(candidate, setting="compare PATH"):
         seen.add(sample.sample_id)
         other = ref.get(sample.sample_id)
         if other is None:

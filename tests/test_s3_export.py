@@ -76,6 +76,22 @@ def test_export_from_s3_equals_the_export_of_a_local_copy(
     assert meta_remote["layers"] == meta_local["layers"] and meta_remote["rows"] == meta_local["rows"]
 
 
+def test_compare_reads_an_output_on_s3(
+    on_s3: Path, s3_env: None, bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """compare takes s3:// outputs as inspect and export do (it once turned the URI into the path
+    s3:/bucket/...), and a wrong path is named as the argument it came from."""
+    assert main(["compare", f"s3://{bucket}/{PREFIX}", "--reference", str(on_s3)]) == 0
+    written = read_manifest(on_s3 / "index-00000")
+    assert written is not None
+    out = capsys.readouterr().out
+    assert f"OK: {written.counts.written} samples compared; worst relative error 0.000e+00" in out
+    assert "mismatched 0, missing 0, extra 0" in out
+    missing = tmp_path / "no-such-output"
+    assert main(["compare", f"s3://{bucket}/{PREFIX}", "--reference", str(missing)]) == EXIT_CONFIG
+    assert capsys.readouterr().err.strip() == f"error: compare --reference {missing}: does not exist"
+
+
 def test_a_damaged_or_missing_shard_on_s3_stops_the_export(
     on_s3: Path, s3_env: None, s3: Any, bucket: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,7 +1,8 @@
-"""Read shards: ``open_shard(path)`` and ``iter_output(dir)``.
+"""Read shards: ``open_shard(path)`` and ``iter_output(output)``.
 
 Only shards listed in an index's manifest are read; anything else in the
 directory is an interrupted run's leftover and is ignored. ``iter_output``
+reads a local output or an object-store one (``s3://bucket/prefix``), and
 checks each shard against the manifest's size and CRC64NVME before reading it
 (DamagedShard names the shard otherwise); ``verify=False`` skips the checksum.
 """
@@ -21,7 +22,7 @@ from job.hidden_dtype import hidden_dtype
 from job.layout import MANIFEST
 from job.manifest import Manifest
 from job.shards.format import FORMAT_VERSION
-from job.storage.local import LocalShardSource
+from job.storage import open_shard_source
 
 
 @dataclass(frozen=True)
@@ -96,16 +97,17 @@ def read_manifest(index_dir: str | Path) -> Manifest | None:
 
 
 def iter_output(
-    output_dir: str | Path, require_complete: bool = False, verify: bool = True
+    output: str | Path, require_complete: bool = False, verify: bool = True, *, setting: str = "iter_output"
 ) -> Iterator[Sample]:
-    """Samples of every shard listed in the manifests under ``output_dir`` (an output directory
-    or one index directory)."""
-    source = LocalShardSource(Path(output_dir), verify, "iter_output")
+    """Samples of every shard listed in the manifests of ``output`` (an output or one index: a
+    directory, or an object-store URI, whose shards are always verified); ``setting`` names the
+    argument in errors."""
+    source = open_shard_source(str(output), setting, verify)
     for index in source.indexes():
         if index.manifest is None:
             continue
         if require_complete and not index.manifest.complete:
-            raise ValueError(f"{output_dir}/{index.name}: manifest is not complete")
+            raise ValueError(f"{source.location}/{index.name}: manifest is not complete")
         for entry in index.manifest.shards:
             with source.fetch(index.name, entry) as path:
                 yield from Shard(path)
