@@ -20,7 +20,7 @@ pytest.register_assert_rewrite("s3_fixtures")
 from s3_fixtures import TEST_MAX_STAGED_BYTES, FaultProxy, job_env, multipart_uploads  # noqa: E402
 
 from job.checksum import crc64nvme_file  # noqa: E402
-from job.data.source import list_input_files, read_records  # noqa: E402
+from job.data.source import data_fingerprint, list_input_files, read_records  # noqa: E402
 from job.errors import EXIT_SUPERSEDED, ConfigError, Superseded  # noqa: E402
 from job.settings import OutputSettings  # noqa: E402
 from job.storage import s3 as s3_transport  # noqa: E402
@@ -324,6 +324,12 @@ def test_s3_input_files_list_and_read(
         ("b/part.parquet", len(parquet.getvalue())),
     ]
     assert [f.name for f in list_input_files(f"s3://{bucket}/inputs/a.jsonl")] == ["a.jsonl"]
+    # A same-size edit changes the data fingerprint (the ETag is in it): no resume over it.
+    s3.put_object(Bucket=bucket, Key="inputs/a.jsonl", Body=jsonl.replace(b"x", b"y"))
+    edited = list_input_files(f"s3://{bucket}/inputs")
+    assert [f.size for f in edited] == [f.size for f in files]
+    assert data_fingerprint(edited) != data_fingerprint(files)
+    s3.put_object(Bucket=bucket, Key="inputs/a.jsonl", Body=jsonl)
 
     # Every body read through the proxy is cut off halfway once: the reader resumes where it was.
     monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.endpoint)
