@@ -6,6 +6,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -195,6 +198,50 @@ def test_staging_space_is_bounded(s3_env: None, bucket: str) -> None:
             store.staging.reserve("huge", 20000)
     finally:
         store.close()
+
+
+def test_a_killed_runs_staging_is_removed_by_the_next_run(s3_env: None, bucket: str, tmp_path: Path) -> None:
+    """A run killed with SIGKILL leaves its staging directory (partial shards) behind; the next run
+    to stage in output.staging_dir removes it, but never a live run's, nor a directory it did not
+    make. Without this, killed runs on a host-mounted /staging fill it until runs fail with exit 2."""
+    staging = tmp_path / "staging"
+    settings = output(bucket, "store-stale-staging", staging_dir=str(staging))
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, signal\n"
+            "from job.settings import OutputSettings\n"
+            "from job.storage import open_index_store\n"
+            f"settings = OutputSettings.model_validate_json({settings.model_dump_json()!r})\n"
+            "store = open_index_store(settings, 0)\n"
+            "staged = store.staging.reserve('shard-00000.safetensors', 4096)\n"
+            "staged.path.write_bytes(bytes(4096))\n"
+            "print(staged.path, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    partial = Path(killed.stdout.strip())
+    left_behind = partial.parent.parent
+    assert partial.is_file() and left_behind.parent == staging
+    foreign = staging / "eagle3-index-00009-not-ours"  # no lock file: not made by this code
+    foreign.mkdir()
+
+    live = open_store(settings, 1)
+    try:
+        assert not left_behind.exists()
+        other = open_store(settings, 2)
+        other.close()
+        assert sorted(p.name for p in staging.iterdir()) == sorted([foreign.name, live._staging_root.name]), (
+            "the live run's directory stays"
+        )
+    finally:
+        live.close()
+    assert [p.name for p in staging.iterdir()] == [foreign.name]
 
 
 def test_logs_are_shipped_periodically_and_at_the_end(s3_env: None, s3: Any, bucket: str) -> None:

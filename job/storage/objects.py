@@ -15,13 +15,14 @@ The layout under ``prefix/`` is the local store's. What makes it safe to retry a
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from awscrt.checksums import crc64nvme
 
@@ -54,7 +55,7 @@ class ObjectIndexStore(IndexStore):
         self.prefix = f"{self._root_prefix}{index_dir_name(index)}/"
         self.location = transport.url(self.prefix.rstrip("/"))
         self._log = get_logger(work_index=index, output=self.location)
-        self._staging_root = _make_staging_dir(output, index)
+        self._staging_root, self._staging_lock = _make_staging_dir(output, index, self._log)
         self._files_dir = self._staging_root / "files"
         (self._staging_root / "shards").mkdir()
         self._files_dir.mkdir()
@@ -286,27 +287,52 @@ class ObjectIndexStore(IndexStore):
             self._abort_uploads(self._own_keys)
         self.transport.close()
         shutil.rmtree(self._staging_root, ignore_errors=True)
+        self._staging_lock.close()
 
 
-def _make_staging_dir(output: OutputSettings, index: int) -> Path:
-    parent = output.staging_dir
+_STAGING_PREFIX = "eagle3-"
+_STAGING_LOCK = ".lock"
+
+
+def _make_staging_dir(output: OutputSettings, index: int, log: Any) -> tuple[Path, IO[str]]:
+    """A new staging directory, locked for the run's life, after removing those that no live run
+    holds (a killed run's partial shards would otherwise fill output.staging_dir, run by run)."""
+    parent = Path(output.staging_dir or tempfile.gettempdir())
     try:
-        if parent is not None:
-            Path(parent).mkdir(parents=True, exist_ok=True)
-        root = Path(tempfile.mkdtemp(prefix=f"eagle3-{index_dir_name(index)}-", dir=parent))
+        parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_staging(parent, log)
+        # Built under a hidden name and locked before it is renamed into view: a directory the
+        # sweep can see always has its lock file, held while its run lives.
+        building = Path(tempfile.mkdtemp(prefix=f".{_STAGING_PREFIX}new-", dir=parent))
+        lock = (building / _STAGING_LOCK).open("w")
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        root = parent / f"{_STAGING_PREFIX}{index_dir_name(index)}-{building.name.rsplit('-', 1)[-1]}"
+        building.rename(root)
     except OSError as exc:
         raise ConfigError(
-            f"output.staging_dir: cannot create a staging directory in {parent or tempfile.gettempdir()}: "
-            f"{exc.strerror}"
+            f"output.staging_dir: cannot create a staging directory in {parent}: {exc.strerror}"
         ) from None
     free = shutil.disk_usage(root).free
     if free < int(output.max_staged_bytes):
         shutil.rmtree(root, ignore_errors=True)
+        lock.close()
         raise ConfigError(
             f"output.staging_dir {root.parent} has {free} bytes free, less than output.max_staged_bytes "
             f"({int(output.max_staged_bytes)}); lower max_staged_bytes or stage on a larger disk"
         )
-    return root
+    return root, lock
+
+
+def _remove_stale_staging(parent: Path, log: Any) -> None:
+    for directory in parent.glob(f"{_STAGING_PREFIX}index-*"):
+        try:
+            with (directory / _STAGING_LOCK).open() as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: a live run's
+                size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+                shutil.rmtree(directory)
+        except (BlockingIOError, FileNotFoundError, NotADirectoryError):
+            continue  # in use, gone meanwhile, or without a lock file (not made by this code)
+        log.info("stale_staging_removed", directory=str(directory), bytes=size)
 
 
 class ObjectShardSource(ShardSource):
