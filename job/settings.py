@@ -7,6 +7,7 @@ by ``--config`` > ``config/default.yaml``. Unknown keys are errors everywhere.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -539,18 +540,28 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-_SECRET_KEY = re.compile(
-    r"(^|[_-])(token|secret|password|passwd|credentials?|api[_-]?key|access[_-]?key|secret[_-]?key)"
-    r"($|[_-])",
-    re.I,
-)
+# Keys whose values are never shown, by their words: hf_token, authToken, apiKey, accessKeyId...
+_SECRET_WORDS = {
+    "token", "secret", "password", "passwd", "passphrase", "credential", "credentials",
+    "auth", "authorization", "bearer", "cookie", "apikey",
+}  # fmt: skip
+_SECRET_WORD_PAIRS = {("api", "key"), ("access", "key"), ("secret", "key"), ("private", "key")}
+
+
+def _secret_key(key: str) -> bool:
+    words = re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key).lower())
+    return bool(_SECRET_WORDS.intersection(words)) or any(
+        pair in _SECRET_WORD_PAIRS for pair in itertools.pairwise(words)
+    )
+
+
 _URI_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]+@", re.I)
 REDACTED = "***"
 
 
 def redact(value: Any, key: str = "") -> Any:
     """Copy of a settings dump with anything secret-looking replaced."""
-    if key and _SECRET_KEY.search(key) and value not in (None, "", {}, []):
+    if key and _secret_key(key) and value not in (None, "", {}, []):
         return REDACTED
     if isinstance(value, dict):
         return {k: redact(v, str(k)) for k, v in value.items()}

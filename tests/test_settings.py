@@ -151,7 +151,20 @@ def test_config_output_round_trips_as_a_config_file(run_job: Callable[..., Any],
 def test_config_redacts_secrets(run_job: Callable[..., Any], tmp_path: Path) -> None:
     path = tmp_path / "secret.yaml"
     path.write_text(
-        yaml.safe_dump({"backend": {"vllm": {"engine_args": {"hf_token": "hf_yaml_Secret1", "seed": 3}}}})
+        yaml.safe_dump(
+            {
+                "backend": {
+                    "vllm": {
+                        "engine_args": {
+                            "hf_token": "hf_yaml_Secret1",
+                            "seed": 3,
+                            "skip_tokenizer_init": False,
+                            "hf_overrides": {"authToken": "camel-Secret2", "apiKey": "camel-Secret3"},
+                        }
+                    }
+                }
+            }
+        )
     )
     result = run_job(
         "config",
@@ -160,11 +173,24 @@ def test_config_redacts_secrets(run_job: Callable[..., Any], tmp_path: Path) -> 
         env={"JOB_DATA__PATH": "s3://envuser:env-Pass-Word8@bucket/data/"},
     )
     assert result.rc == 0, result.describe()
-    for secret in ("hf_yaml_Secret1", "cli-Pass-Word9", "AKIAUSER", "env-Pass-Word8", "envuser"):
+    for secret in (
+        "hf_yaml_Secret1",
+        "camel-Secret2",
+        "camel-Secret3",
+        "cli-Pass-Word9",
+        "AKIAUSER",
+        "env-Pass-Word8",
+        "envuser",
+    ):
         assert secret not in result.stdout
         assert secret not in result.stderr
     got = yaml.safe_load(result.stdout)
-    assert got["backend"]["vllm"]["engine_args"] == {"hf_token": "***", "seed": 3}
+    assert got["backend"]["vllm"]["engine_args"] == {
+        "hf_token": "***",
+        "seed": 3,
+        "skip_tokenizer_init": False,  # "tokenizer" is not "token"
+        "hf_overrides": {"authToken": "***", "apiKey": "***"},
+    }
     assert got["output"]["uri"] == "s3://***@bucket/run1"
     assert got["data"]["path"] == "s3://***@bucket/data/"
 
