@@ -4,8 +4,11 @@ Parquet, as single files and as a nested directory; sample ids and their stabili
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
+import random
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -15,10 +18,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+import zstandard
 
 from job.data.encode import EncodedSample, EncoderSpec, SampleEncoder
 from job.data.formats import Conversation, SampleRejected, parse_record
 from job.data.source import data_fingerprint, list_input_files, read_records, scan_input
+from job.errors import ConfigError
 from job.shards import iter_output, read_manifest
 
 SHAREGPT = [
@@ -277,6 +282,127 @@ def test_compressed_and_upper_case_files_are_read(tmp_path: Path) -> None:
     assert records[-1].bytes_done == sum(f.size for f in files)  # progress counts file bytes
 
 
+def jsonl_bytes(count: int, words: int, prefix: str = "z") -> bytes:
+    """``count`` pre-tokenized records ``<prefix>0``, ``<prefix>1``...; each carries ``words``
+    random words of text (``0``: none), which keeps the compressed file long (random) or short."""
+    rng = random.Random(0)
+    return b"".join(
+        json.dumps(
+            {
+                "id": f"{prefix}{i}",
+                "input_ids": [1, 2, 3],
+                "text": " ".join(rng.choice("abcdefgh") for _ in range(words)),
+            }
+        ).encode()
+        + b"\n"
+        for i in range(count)
+    )
+
+
+def zstd_frames(*parts: bytes) -> bytes:
+    return b"".join(zstandard.ZstdCompressor().compress(part) for part in parts)
+
+
+RANDOM_TEXT = jsonl_bytes(3000, 40)
+REPETITIVE = jsonl_bytes(3000, 0)  # zstd: ~45-fold; half the file decompresses to no whole line
+THIRD = len(RANDOM_TEXT) // 3
+
+
+def cut(data: bytes, keep: float) -> bytes:
+    return data[: int(len(data) * keep)]
+
+
+# Compressed files that end early, each named for where it was cut.
+CUT_FILES = {
+    "half.jsonl.zst": cut(zstd_frames(RANDOM_TEXT), 0.5),
+    "half-repetitive.jsonl.zst": cut(zstd_frames(REPETITIVE), 0.5),
+    "last-byte-missing.jsonl.zst": zstd_frames(RANDOM_TEXT)[:-1],
+    "frame-header-only.jsonl.zst": zstd_frames(RANDOM_TEXT)[:5],
+    "cut-in-second-frame.jsonl.zst": zstd_frames(RANDOM_TEXT[:THIRD], RANDOM_TEXT[THIRD:])[:-100],
+    "half.jsonl.gz": cut(gzip.compress(RANDOM_TEXT), 0.5),
+    "half-repetitive.jsonl.gz": cut(gzip.compress(REPETITIVE), 0.5),
+    "last-byte-missing.jsonl.gz": gzip.compress(RANDOM_TEXT)[:-1],
+    "cut-in-second-member.jsonl.gz": (
+        gzip.compress(RANDOM_TEXT[:THIRD]) + gzip.compress(RANDOM_TEXT[THIRD:])
+    )[:-100],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUT_FILES))
+def test_a_compressed_file_cut_anywhere_is_a_file_error(tmp_path: Path, name: str) -> None:
+    # Read to its end, a cut-short file must not pass for a shorter one: the records before
+    # the cut are the file's first ones, and the error names the file and the truncation.
+    (tmp_path / name).write_bytes(CUT_FILES[name])
+    seen = []
+    with pytest.raises(ConfigError) as caught:
+        seen.extend(r.sample_id for r in read_records(list_input_files(str(tmp_path / name))))
+    assert seen == [f"z{i}" for i in range(len(seen))]
+    assert len(seen) < 3000
+    message = str(caught.value)
+    assert f"cannot decompress {tmp_path / name}:" in message and "is truncated" in message
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.zst", ".jsonl.gz"])
+def test_a_cut_short_compressed_file_stops_the_run_naming_it(
+    tmp_path: Path, run_job: Callable[..., Any], fast_args: tuple[str, ...], suffix: str
+) -> None:
+    whole = zstd_frames(RANDOM_TEXT) if suffix == ".jsonl.zst" else gzip.compress(RANDOM_TEXT)
+    data = tmp_path / f"cut{suffix}"
+    data.write_bytes(cut(whole, 0.5))
+    result = run_job("run", f"--data.path={data}", f"--output.uri={tmp_path / 'out'}", *fast_args)
+    assert result.rc == 2, result.describe()
+    assert "Traceback" not in result.stderr
+    lines = [x for x in result.stderr.splitlines() if x.strip()]
+    assert lines[-1].startswith("error: data: cannot decompress") and [
+        x for x in lines if x.startswith("error: ")
+    ] == [lines[-1]], result.stderr
+    assert str(data) in lines[-1] and "is truncated" in lines[-1]
+    manifest = read_manifest(tmp_path / "out" / "index-00000")
+    assert manifest is None or not manifest.complete
+
+
+def zstd_flushed(text: bytes, at: int) -> bytes:
+    """One zstd stream whose writer ended a frame at ``at`` and went on."""
+    out = io.BytesIO()
+    with zstandard.ZstdCompressor().stream_writer(out, closefd=False) as writer:
+        writer.write(text[:at])
+        writer.flush(zstandard.FLUSH_FRAME)
+        writer.write(text[at:])
+    return out.getvalue()
+
+
+def test_concatenated_zstd_frames_and_gzip_members_are_read_whole(
+    tmp_path: Path, run_job: Callable[..., Any], fast_args: tuple[str, ...]
+) -> None:
+    # What zstd, pzstd, streaming writers and cat a.zst b.zst produce: frame edges inside a
+    # line, an empty frame, many small frames within one read of the file, a frame ended
+    # mid-stream; and gzip's equivalent, members one after another.
+    writers: dict[str, Callable[[bytes], bytes]] = {
+        "a-two-frames.jsonl.zst": lambda t: zstd_frames(t[: THIRD + 5], t[THIRD + 5 :]),
+        "b-empty-frame.jsonl.zst": lambda t: zstd_frames(t[:THIRD], b"", t[THIRD:]),
+        "c-small-frames.jsonl.zst": lambda t: zstd_frames(
+            *(t[i : i + 50] for i in range(0, 5000, 50)), t[5000:]
+        ),
+        "d-flushed.jsonl.zst": lambda t: zstd_flushed(t, THIRD + 17),
+        "e-two-members.jsonl.gz": lambda t: gzip.compress(t[: THIRD + 5]) + gzip.compress(t[THIRD + 5 :]),
+    }
+    for name, write in writers.items():
+        content = write(jsonl_bytes(3000, 40, prefix=name[0]))
+        (tmp_path / "data" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "data" / name).write_bytes(content)
+        records = list(read_records(list_input_files(str(tmp_path / "data" / name))))
+        assert [r.sample_id for r in records] == [f"{name[0]}{i}" for i in range(3000)], name
+        assert all(r.error is None for r in records), name
+        assert records[-1].bytes_done == len(content), name  # progress reaches the file's end
+    # The job reads every record of every file.
+    result = run_job(
+        "plan", f"--data.path={tmp_path / 'data'}", f"--output.uri={tmp_path / 'out'}", *fast_args
+    )
+    assert result.rc == 0, result.describe()
+    assert re.search(r"^input records +15000 ", result.stdout, re.MULTILINE), result.stdout
+    assert re.search(r"^rejected +0$", result.stdout, re.MULTILINE), result.stdout
+
+
 def test_listing_names_what_it_skips(tmp_path: Path) -> None:
     for name in (
         "keep.jsonl",
@@ -316,6 +442,55 @@ def test_the_fingerprint_sees_a_same_size_edit(tmp_path: Path) -> None:
     assert data_fingerprint(list_input_files(str(data))) == before  # stable
     data.write_text('{"id": "a", "input_ids": [2]}\n')
     assert data_fingerprint(list_input_files(str(data))) != before
+
+
+@pytest.mark.parametrize(
+    ("rid", "expected"),
+    [
+        (
+            2**70,
+            "'id' is an integer beyond 64 bits (read as 1.1805916207174113e+21); write such ids as strings",
+        ),
+        (2**64, "'id' is an integer beyond 64 bits"),
+        (-(2**63) - 1, "'id' is an integer beyond 64 bits"),
+        (2**64 - 1, None),  # the longest integers JSON parsing keeps exact
+        (-(2**63), None),
+        (1.5, "'id' must be a string or an integer, got float"),
+    ],
+    ids=["2**70", "2**64", "-2**63-1", "2**64-1", "-2**63", "1.5"],
+)
+def test_ids_beyond_64_bits_are_rejected_as_such(
+    tmp_path: Path, write_jsonl: Callable, rid: int | float, expected: str | None
+) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": rid, "input_ids": [1, 2]}])
+    [record] = read_records(list_input_files(str(data)))
+    if expected is None:
+        assert (record.sample_id, record.error) == (str(rid), None)
+    else:
+        assert record.sample_id == "d.jsonl:1" and record.value is None
+        assert record.error is not None and record.error.startswith(expected), record.error
+
+
+def test_a_run_names_an_id_beyond_64_bits_in_its_rejections(
+    tmp_path: Path,
+    run_job: Callable[..., Any],
+    fast_args: tuple[str, ...],
+    write_jsonl: Callable,
+    read_jsonl: Callable,
+) -> None:
+    records = [
+        {"id": "before", "input_ids": [1, 2]},
+        {"id": 2**70, "input_ids": [3]},
+        {"id": 7, "input_ids": [4]},
+    ]
+    data = write_jsonl(tmp_path / "ids.jsonl", records)
+    out = tmp_path / "out"
+    result = run_job("run", f"--data.path={data}", f"--output.uri={out}", *fast_args)
+    assert result.rc == 0, result.describe()
+    assert [s.sample_id for s in samples_of(out)] == ["before", "7"]
+    [entry] = read_jsonl(out / "index-00000" / "rejected.jsonl")
+    assert entry["sample_id"] == "ids.jsonl:2"
+    assert entry["reason"].startswith("'id' is an integer beyond 64 bits"), entry
 
 
 # --- tool-calling records in the chat-template shape ---------------------------------------

@@ -17,7 +17,8 @@ What one record can do is bounded, so no record crashes the run or sets its memo
 * JSON is parsed by orjson (no RecursionError): invalid UTF-8, lone surrogates
   (``"\\udc80"``) and NaN/Infinity are malformed JSON, a rejection naming the
   line; nesting deeper than ``MAX_DEPTH`` (64) levels is rejected too; integers beyond
-  64 bits arrive as floats, which job.data.formats rejects where integers belong;
+  64 bits arrive as floats (orjson holds integers in 64 bits), which are rejected as
+  beyond 64 bits where integers belong: ``id`` here, token lists in job.data.formats;
 * an ``id`` must be a non-empty string or an integer, at most ``MAX_ID_BYTES`` of
   UTF-8; anything else rejects the record under its ``<file>:<n>`` id;
 * ``\\n``, ``\\r\\n`` and a lone ``\\r`` all end a line (JSON strings cannot hold a
@@ -25,7 +26,10 @@ What one record can do is bounded, so no record crashes the run or sets its memo
   at the start of a file is skipped;
 * a ``.jsonl`` file that is a JSON document rather than JSON Lines (its first line
   opens an array, or is a lone ``{``) is a file-level error naming the file:
-  read line by line it would yield nothing but rejections.
+  read line by line it would yield nothing but rejections;
+* a compressed file that ends inside its compressed data (gzip member, zstd frame) is a
+  file-level error naming the file; concatenated gzip members and zstd frames are read
+  one after another.
 
 Parquet rows are read in batches of about ``PARQUET_BATCH_BYTES`` (from the row
 groups' sizes) rather than a fixed row count, so large rows do not pile up.
@@ -48,6 +52,7 @@ import orjson
 from awscrt.checksums import crc64nvme
 
 from job.checksum import encode as encode_crc
+from job.data.formats import INT64
 from job.errors import ConfigError
 from job.settings import config_dir
 from job.storage import connect_transport, uri_scheme
@@ -63,6 +68,9 @@ MAX_ID_BYTES = 512
 MAX_DEPTH = 64
 PARQUET_BATCH_BYTES = 64 * 1024**2
 READ_CHUNK = 1024**2
+# Compressed bytes fed to zstd at once: a zstd block expands at most ~32768-fold, so one
+# piece decompresses to at most 32 MiB whatever the file holds.
+_ZSTD_PIECE = 1024
 _CRC_BUFFER = 8 * 1024**2
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 _BOM = b"\xef\xbb\xbf"
@@ -311,6 +319,11 @@ def read_records(
                     records = _read_jsonl(f, raw, max_record_bytes)
                 for record, consumed in records:
                     yield Record(record.sample_id, record.value, record.error, done + consumed, record.size)
+            except EOFError:
+                raise ConfigError(
+                    f"data: cannot decompress {f.location}: it ends inside its compressed data, so it "
+                    "is truncated (an interrupted copy or download?); copy or write it again"
+                ) from None
             except _DECOMPRESSION_ERRORS as exc:
                 raise ConfigError(f"data: cannot decompress {f.location}: {exc}") from None
             except OSError as exc:
@@ -324,12 +337,8 @@ def _zstd_error() -> type[Exception]:
     return zstandard.ZstdError
 
 
-_DECOMPRESSION_ERRORS: tuple[type[BaseException], ...] = (
-    gzip.BadGzipFile,
-    EOFError,
-    zlib.error,
-    _zstd_error(),
-)
+# EOFError (input ending inside a gzip member or zstd frame) is caught before these.
+_DECOMPRESSION_ERRORS: tuple[type[BaseException], ...] = (gzip.BadGzipFile, zlib.error, _zstd_error())
 
 
 def _decoded(f: InputFile, raw: IO[bytes]) -> IO[bytes]:
@@ -337,10 +346,50 @@ def _decoded(f: InputFile, raw: IO[bytes]) -> IO[bytes]:
     if lower.endswith(".gz"):
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if lower.endswith(".zst"):
+        return io.BufferedReader(_ZstdFrames(raw), READ_CHUNK)
+    return raw
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The zstd frames of ``raw`` decompressed one after another (``zstd`` and many writers
+    concatenate frames); input that ends inside a frame raises EOFError, as gzip does.
+    zstandard's own stream_reader ends quietly there, which would lose the rest unsaid."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-    return raw
+        self._raw = raw
+        self._dctx = zstandard.ZstdDecompressor()
+        self._frame = self._dctx.decompressobj()
+        self._in_frame = False  # the current frame has had input but has not ended
+        self._out = memoryview(b"")  # decompressed, not yet returned
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:
+        while not self._out:
+            if not self._decompress_more():
+                return 0
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+    def _decompress_more(self) -> bool:
+        """Decompress the next piece of input; False at the end of the input."""
+        piece = b""
+        if self._frame.eof:  # the frame ended: what follows it starts the next one
+            piece = self._frame.unused_data
+            self._frame = self._dctx.decompressobj()
+        piece = piece or self._raw.read(_ZSTD_PIECE)
+        if not piece:
+            if self._in_frame:
+                raise EOFError("zstd input ended inside a frame")
+            return False
+        self._out = memoryview(self._frame.decompress(piece))
+        self._in_frame = not self._frame.eof
+        return True
 
 
 def _record_id(value: dict[str, Any], fallback: str) -> tuple[str, str | None]:
@@ -348,6 +397,8 @@ def _record_id(value: dict[str, Any], fallback: str) -> tuple[str, str | None]:
     rid = value.get("id")
     if rid is None or rid == "":
         return fallback, None
+    if isinstance(rid, float) and abs(rid) >= INT64:  # orjson's reading of a longer integer
+        return fallback, f"'id' is an integer beyond 64 bits (read as {rid!r}); write such ids as strings"
     if isinstance(rid, bool) or not isinstance(rid, str | int):
         return fallback, f"'id' must be a string or an integer, got {type(rid).__name__}"
     rid = str(rid)
