@@ -592,6 +592,11 @@ def test_openai_tool_messages_keep_what_templates_read() -> None:
         ({"conversations": []}, "openai", "this record is sharegpt"),
         ({"messages": []}, "tokenized", "this record is openai"),
         (
+            {"input_ids": [1, float(2**70)]},  # how orjson reads an integer beyond 64 bits
+            "tokenized",
+            "input_ids[1] = 1.1805916207174113e+21 is beyond 64-bit integers",
+        ),
+        (
             {"tools": {"name": "x"}, "messages": [{"role": "user", "content": "q"}]},
             "openai",
             "'tools' must be a list",

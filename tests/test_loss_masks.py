@@ -25,6 +25,7 @@ from job.data.encode import (
     SampleEncoder,
 )
 from job.data.formats import parse_record
+from job.shards import Sample, iter_output
 from job.tiny import CHATML_TEMPLATE, LLAMA3_TEMPLATE, QWEN3_TEMPLATE, strip_generation_markers
 
 STYLES = {
@@ -64,6 +65,16 @@ CONVERSATIONS = {
         {"messages": [*openai_record(TURNS[:2])["messages"], {"role": "user", "content": "Thanks!"}]},
         [a for _, a in TURNS[:2]],
     ),
+    # Two answers in a row: each its own span.
+    "consecutive-assistant-turns": (
+        {
+            "messages": [
+                *openai_record(TURNS[:1])["messages"],
+                {"role": "assistant", "content": "Need the steps?"},
+            ]
+        },
+        [TURNS[0][1], "Need the steps?"],
+    ),
 }
 
 
@@ -86,11 +97,11 @@ def encode(encoder: SampleEncoder, record: dict[str, Any]) -> EncodedSample:
     return result
 
 
-def masked_spans(sample: EncodedSample) -> list[np.ndarray]:
-    """The token ids of each maximal run of mask == 1."""
-    mask = sample.loss_mask.astype(bool)
+def masked_spans(sample: EncodedSample | Sample) -> list[np.ndarray]:
+    """The token ids of each maximal run of mask == 1 (of an encoded or a written sample)."""
+    ids, mask = np.asarray(sample.input_ids), np.asarray(sample.loss_mask).astype(bool)
     edges = np.flatnonzero(np.diff(np.concatenate([[False], mask, [False]]).astype(np.int8)))
-    return [sample.input_ids[a:b] for a, b in zip(edges[::2], edges[1::2], strict=True)]
+    return [ids[a:b] for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
 @pytest.fixture(scope="module", params=sorted(STYLES))
@@ -404,3 +415,236 @@ def test_cut_before_tokenizing_keeps_the_first_max_length_tokens_exact(tiny_llam
         int(any(s < b and e > a and e > s for a, b in spans)) for s, e in enc["offset_mapping"][:max_length]
     ]
     assert sample.loss_mask.tolist() == mask
+
+
+# --- reasoning_in_loss: false and a <think> tag in the answer's text --------------------------
+
+ANSWER_ABOUT_THE_TAG = "The tag <think> opens it. Then more answer text here."
+# Text about the tag, not reasoning: with data.reasoning_in_loss false it stays in the loss.
+# Except where the template makes it reasoning: Qwen3's reads what precedes a "</think>" in
+# the content as the turn's reasoning and renders it as the turn's <think> block.
+TAG_ANSWERS = {
+    ANSWER_ABOUT_THE_TAG: {},
+    "Write <think> and </think> around the reasoning.": {"qwen3": " around the reasoning."},
+}
+
+
+@pytest.mark.parametrize("method", ["markers", "prefix_diff"])
+@pytest.mark.parametrize("answer", sorted(TAG_ANSWERS))
+def test_a_think_tag_in_the_answer_stays_in_the_loss(
+    tool_style: dict[str, Any], method: str, answer: str
+) -> None:
+    template = (
+        tool_style["template"] if method == "markers" else strip_generation_markers(tool_style["template"])
+    )
+    encoder = reasoning_encoder(tool_style["dir"], template, False)
+    record = {
+        "messages": [
+            {"role": "user", "content": "What opens reasoning?"},
+            {"role": "assistant", "content": answer},
+        ]
+    }
+    sample = encode(encoder, record)
+    eot = {"llama3": "<|eot_id|>", "qwen3": "<|im_end|>"}[tool_style["name"]]
+    # Qwen3's final turn opens with an empty <think> block of its own: that one is left out.
+    expected = TAG_ANSWERS[answer].get(tool_style["name"], answer)
+    assert [encoder.tokenizer.decode(s) for s in masked_spans(sample)] == [expected + eot]
+    with_reasoning = encode(reasoning_encoder(tool_style["dir"], template, True), record)
+    np.testing.assert_array_equal(sample.input_ids, with_reasoning.input_ids)
+
+
+def test_the_rendered_reasoning_block_is_left_out_and_a_later_tag_kept(
+    builtin_model: Callable[[str], Path],
+) -> None:
+    encoder = reasoning_encoder(builtin_model("tiny-qwen3"), QWEN3_TEMPLATE, False)
+    record = {
+        "messages": [
+            {"role": "user", "content": "What opens reasoning?"},
+            {"role": "assistant", "content": ANSWER_ABOUT_THE_TAG, "reasoning_content": "Name the tag."},
+        ]
+    }
+    sample = encode(encoder, record)
+    assert [encoder.tokenizer.decode(s) for s in masked_spans(sample)] == [
+        ANSWER_ABOUT_THE_TAG + "<|im_end|>"
+    ]
+    unmasked = encoder.tokenizer.decode(sample.input_ids[sample.loss_mask == 0])
+    assert "<think>\nName the tag.\n</think>\n\n" in unmasked
+
+
+# --- consecutive assistant turns ---------------------------------------------------------------
+
+# Qwen3's template renders an assistant turn that ends the conversation with a <think> block:
+# the render of the turns before a second assistant turn is then no prefix of the whole render.
+CONSECUTIVE = {
+    "e-consec": [
+        {"role": "user", "content": "U1"},
+        {"role": "assistant", "content": "A1"},
+        {"role": "assistant", "content": "A1b"},
+    ],
+    "three-then-user": [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "U1"},
+        {"role": "assistant", "content": "A1", "reasoning_content": "r1"},
+        {"role": "assistant", "content": "A2"},
+        {"role": "assistant", "content": "A3"},
+        {"role": "user", "content": "U2"},
+        {"role": "assistant", "content": "B", "reasoning_content": "r2"},
+    ],
+    "after-a-tool-result": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "tool_calls": [call("get_weather", '{"city": "Oslo"}', "c1")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "snow"},
+        {"role": "assistant", "content": "Snow."},
+        {"role": "assistant", "content": "Dress warmly."},
+    ],
+}
+CONSECUTIVE_SPANS = {
+    "llama3": {"e-consec": ["A1<|eot_id|>", "A1b<|eot_id|>"]},
+    "qwen3": {"e-consec": ["A1<|im_end|>", "<think>\n\n</think>\n\nA1b<|im_end|>"]},
+}
+
+
+@pytest.mark.parametrize("record", sorted(CONSECUTIVE))
+def test_prefix_diff_finds_consecutive_assistant_turns(tool_style: dict[str, Any], record: str) -> None:
+    conversation = {"tools": [WEATHER], "messages": CONSECUTIVE[record]}
+    a = encode(tool_style["markers"], conversation)
+    b = encode(tool_style["prefix_diff"], conversation)
+    np.testing.assert_array_equal(a.input_ids, b.input_ids)
+    np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+    expected = CONSECUTIVE_SPANS[tool_style["name"]].get(record)
+    if expected is not None:
+        assert [tool_style["prefix_diff"].tokenizer.decode(s) for s in masked_spans(b)] == expected
+
+
+# --- record shapes of exports: null and empty fields -------------------------------------------
+
+
+def decoded_spans(encoder: SampleEncoder, record: dict[str, Any]) -> list[str]:
+    return [encoder.tokenizer.decode(s) for s in masked_spans(encode(encoder, record))]
+
+
+def test_reasoning_content_and_reasoning_must_agree(builtin_model: Callable[[str], Path]) -> None:
+    encoder = make_encoder(builtin_model("tiny-qwen3"), QWEN3_TEMPLATE)
+
+    def record(**reasoning: Any) -> dict[str, Any]:
+        answer = {"role": "assistant", "content": "ASSTL", **reasoning}
+        return {"messages": [{"role": "user", "content": "Q"}, answer]}
+
+    kept = ["<think>\nTHINKL\n</think>\n\nASSTL<|im_end|>"]
+    assert decoded_spans(encoder, record(reasoning_content=None, reasoning="THINKL")) == kept
+    assert decoded_spans(encoder, record(reasoning_content="THINKL", reasoning=None)) == kept
+    assert decoded_spans(encoder, record(reasoning_content="", reasoning="THINKL")) == kept
+    assert decoded_spans(encoder, record(reasoning_content="THINKL", reasoning="THINKL")) == kept
+    sharegpt = {
+        "conversations": [
+            {"from": "human", "value": "Q"},
+            {"from": "gpt", "value": "ASSTL", "reasoning": "THINKL"},
+        ]
+    }
+    assert decoded_spans(encoder, sharegpt) == kept
+    rejected = encoder.encode("s", record(reasoning_content="THINKL", reasoning="other"), None)
+    assert isinstance(rejected, RejectedSample)
+    assert rejected.reason.startswith("messages[1]: reasoning_content and reasoning hold different texts")
+    rejected = encoder.encode("s", record(reasoning_content=None, reasoning=["THINKL"]), None)
+    assert isinstance(rejected, RejectedSample)
+    assert rejected.reason == "messages[1].reasoning: must be a string, got list"
+
+
+def test_empty_tool_lists_are_no_tools(tool_style: dict[str, Any]) -> None:
+    encoder: SampleEncoder = tool_style["markers"]
+    plain = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+    expected = encode(encoder, plain)
+    for empty in ({"tools": []}, {"tools": "[]"}, {"tools": None}):
+        for message in (
+            {"tool_calls": []},
+            {"tool_calls": [], "content": [{"type": "text", "text": "Hello!"}]},
+        ):
+            record = {
+                **empty,
+                "messages": [plain["messages"][0], {**plain["messages"][1], **message}],
+            }
+            sample = encode(encoder, record)
+            np.testing.assert_array_equal(sample.input_ids, expected.input_ids)
+            np.testing.assert_array_equal(sample.loss_mask, expected.loss_mask)
+    # Nothing to train on: neither content nor a call.
+    for content in ({}, {"content": None}):
+        record = {"messages": [plain["messages"][0], {"role": "assistant", "tool_calls": [], **content}]}
+        rejected = encoder.encode("s", record, None)
+        state = "missing" if not content else "null"
+        assert isinstance(rejected, RejectedSample)
+        assert rejected.reason == (
+            f"messages[1].tool_calls: [] and content {state}: an assistant message needs content, "
+            "or tool_calls must be a non-empty list of tool calls"
+        )
+
+
+def test_parquet_null_fields_keep_reasoning_and_tool_calls(
+    tmp_path: Path,
+    write_jsonl: Callable[..., Path],
+    write_parquet: Callable[..., Path],
+    run_job: Callable[..., Any],
+    fast_args: tuple[str, ...],
+    read_jsonl: Callable[[Path], list[dict[str, Any]]],
+    builtin_model: Callable[[str], Path],
+) -> None:
+    # Parquet gives every message every field of the file's schema, null where a message had
+    # none: a record must come out of it as out of JSONL.
+    import pyarrow.parquet as pq
+
+    reasoning = {
+        "messages": [
+            {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": "ASSTL", "reasoning": "THINKL"},
+        ]
+    }
+    agent = {
+        "tools": [WEATHER],
+        "messages": [
+            {"role": "user", "content": "Weather in Oslo?"},
+            # one call without "type", one with "parameters": each null-filled with the other's keys
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "Look it up.",
+                "tool_calls": [
+                    {"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+                    {"type": "function", "function": {"name": "get_weather", "parameters": {"city": "Rome"}}},
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "snow"},
+            {"role": "assistant", "content": "Snow.", "tool_calls": []},
+        ],
+    }
+    data = tmp_path / "data"
+    write_jsonl(data / "chat.jsonl", [{"id": "jsonl-agent", **agent}, {"id": "jsonl-reasoning", **reasoning}])
+    # The agent first: from_pylist takes the columns (not the struct fields) from the first row.
+    parquet = write_parquet(
+        data / "chat.parquet", [{"id": "parquet-agent", **agent}, {"id": "parquet-reasoning", **reasoning}]
+    )
+    rows = pq.read_table(parquet).to_pylist()
+    assert rows[1]["messages"][1]["reasoning_content"] is None  # the shapes under test
+    assert rows[0]["messages"][1]["tool_calls"][0]["type"] is None
+
+    tokenizer = make_encoder(builtin_model("tiny-qwen3"), QWEN3_TEMPLATE).tokenizer  # built before the run
+    out = tmp_path / "out"
+    result = run_job(
+        "run", f"--data.path={data}", f"--output.uri={out}", "--model.path=builtin:tiny-qwen3", *fast_args
+    )
+    assert result.rc == 0, result.describe()
+    assert read_jsonl(out / "index-00000" / "rejected.jsonl") == []
+    assert "sample_warnings" not in result.event("run_finished")
+    samples = {s.sample_id: s for s in iter_output(out, require_complete=True)}
+    assert sorted(samples) == ["jsonl-agent", "jsonl-reasoning", "parquet-agent", "parquet-reasoning"]
+    for name in ("reasoning", "agent"):
+        jsonl, from_parquet = samples[f"jsonl-{name}"], samples[f"parquet-{name}"]
+        np.testing.assert_array_equal(jsonl.input_ids.numpy(), from_parquet.input_ids.numpy())
+        np.testing.assert_array_equal(jsonl.loss_mask.numpy(), from_parquet.loss_mask.numpy())
+    spans = [tokenizer.decode(s) for s in masked_spans(samples["parquet-reasoning"])]
+    assert spans == ["<think>\nTHINKL\n</think>\n\nASSTL<|im_end|>"]
+    spans = [tokenizer.decode(s) for s in masked_spans(samples["parquet-agent"])]
+    assert spans == [
+        "<think>\nLook it up.\n</think>\n\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>',
+        "<think>\n\n</think>\n\nSnow.<|im_end|>",
+    ]

@@ -5,21 +5,22 @@ passed as ``tools=``, tool calls and results as the template expects them,
 see job.data.formats). Loss mask = 1 on what the assistant generates: its
 content, its tool calls, its reasoning where the template renders it, and its
 end-of-turn token; 0 on system and user turns, tool results, role headers and
-generation prompts. ``reasoning_in_loss: false`` also leaves the
-``<think>...</think>`` blocks of assistant turns (and the whitespace after them)
-out. Two ways to find the assistant's characters in the rendered text:
+generation prompts. ``reasoning_in_loss: false`` also leaves out the closed
+``<think>...</think>`` block an assistant turn opens with (and the whitespace
+after it). Two ways to find the assistant's characters in the rendered text:
 
 * templates with ``{% generation %}`` markers: what the markers enclose;
 * any other template (``prefix-diff``): for each assistant message, the render
   of the conversation before it with the generation prompt gives its start (or,
-  when the whole render does not begin with that, the first character that
-  changes when the message is replaced by a placeholder); the render with the
-  placeholder gives its end: the two differ exactly where the message's
-  reasoning, content and tool calls are, and the end-of-turn text that follows
-  (from a render that ends with the message, trailing whitespace excluded) is
-  included. Templates need not be prefix-stable: Qwen3's, which renders
-  ``<think>`` only after the last user query and differently for the final
-  message, works.
+  when the whole render does not begin with that, the generation prompt's text
+  found last between the previous turn and the first character that changes
+  when the message is replaced by a placeholder, else that character); the
+  render with the placeholder gives its end: the two differ exactly where the
+  message's reasoning, content and tool calls are, and the end-of-turn text
+  that follows (from a render that ends with the message, trailing whitespace
+  excluded) is included. Templates need not be prefix-stable: Qwen3's, which
+  renders ``<think>`` only after the last user query and differently for the
+  final message, works, two assistant turns in a row included.
 
 A template that drops a record's tool calls, tool definitions or tool results
 from the text (one written for plain chat) rejects the sample instead of
@@ -371,12 +372,7 @@ class SampleEncoder:
             region_end = len(full) - _common_suffix(full, alternative, first)
             start = first
             if i > 0:
-                try:
-                    prompt, _ = self._render(messages[:i], tools, template, generation_prompt=True)
-                except SampleRejected:  # a template that will not end on this message
-                    prompt = None
-                if prompt is not None and full.startswith(prompt) and len(prompt) <= region_end:
-                    start = len(prompt)
+                start = self._turn_start(messages[:i], tools, template, full, previous_end, first, region_end)
             upto, _ = self._render(messages[: i + 1], tools, template)
             upto_alternative, _ = self._render([*messages[:i], stand_in], tools, template)
             shared = _common_suffix(upto, upto_alternative, _common_prefix(upto, upto_alternative))
@@ -391,6 +387,37 @@ class SampleEncoder:
             spans[i] = (start, end)
             previous_end = end
         return spans
+
+    def _turn_start(
+        self,
+        before: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template: str,
+        full: str,
+        previous_end: int,
+        first: int,
+        region_end: int,
+    ) -> int:
+        """Where the assistant turn after ``before`` starts in ``full``: after the render of
+        ``before`` with the generation prompt where ``full`` begins with it; else after the
+        generation prompt's own text, the last one between the previous turn's end and ``first``
+        (the turn's first character that depends on its message); else ``first``.
+
+        The second case: a template that renders the final message differently changes the
+        render of ``before`` when that ends in an assistant turn (Qwen3's adds an empty <think>
+        block to it), but the text it renders at the turn's start (that block) still follows
+        the generation prompt. The last one: only template text lies between it and ``first``,
+        the record's earlier turns before it."""
+        try:
+            prompt, _ = self._render(before, tools, template, generation_prompt=True)
+            if full.startswith(prompt) and len(prompt) <= region_end:
+                return len(prompt)
+            context, _ = self._render(before, tools, template)
+        except SampleRejected:  # a template that will not end on this message
+            return first
+        header = prompt[len(context) :] if prompt.startswith(context) else ""
+        at = full.rfind(header, previous_end, first) if header else -1
+        return first if at < 0 else at + len(header)
 
     def _tokenize(self, full: str, spans: list[Span]) -> tuple[np.ndarray, np.ndarray, bool]:
         """Token ids and mask of ``full`` (cut to what max_length can use); whether the
@@ -501,22 +528,23 @@ def _common_suffix(a: str, b: str, prefix: int) -> int:
 
 
 def _without_reasoning(text: str, spans: list[Span]) -> list[Span]:
-    """``spans`` less each <think>...</think> block in them and the whitespace after it."""
+    """``spans`` less the closed <think>...</think> block each opens with (after whitespace
+    only) and the whitespace after it. Reasoning comes first in a turn, both as templates render
+    reasoning_content and as contents hold their own; a <think> further in, or one never closed,
+    is the answer's text (one about the tag) and stays in the loss."""
     kept: list[Span] = []
     for a, b in spans:
-        pos = a
-        while True:
-            open_at = text.find(THINK_OPEN, pos, b)
-            if open_at < 0:
-                kept.append((pos, b))
-                break
-            kept.append((pos, open_at))
-            close_at = text.find(THINK_CLOSE, open_at, b)
-            if close_at < 0:
-                break
-            pos = close_at + len(THINK_CLOSE)
-            while pos < b and text[pos].isspace():
-                pos += 1
+        open_at = a
+        while open_at < b and text[open_at].isspace():
+            open_at += 1
+        close_at = text.find(THINK_CLOSE, open_at, b) if text.startswith(THINK_OPEN, open_at, b) else -1
+        if close_at < 0:
+            kept.append((a, b))
+            continue
+        pos = close_at + len(THINK_CLOSE)
+        while pos < b and text[pos].isspace():
+            pos += 1
+        kept += [(a, open_at), (pos, b)]
     return [(a, b) for a, b in kept if b > a]
 
 

@@ -17,12 +17,14 @@ calling included (the OpenAI shape):
 * tool definitions as ``[{"type": "function", "function": {...}}]``.
 
 OpenAI: roles system/developer, user, assistant, tool (and the legacy
-``function`` role and ``function_call`` field); ``reasoning_content`` (or
-``reasoning``) on assistant messages. ShareGPT: ``function_call`` turns (a JSON
-object, or a list of them, with ``name`` and ``arguments``) become assistant
-tool calls and ``observation`` / ``tool`` turns tool results; record-level
-``tools`` (a list, or a JSON string of one, of bare function specs or OpenAI
-tool objects) and ``system`` as LLaMA-Factory writes them.
+``function`` role and ``function_call`` field); ``tool_calls: []`` is no tool
+calls, as null is. ShareGPT: ``function_call`` turns (a JSON object, or a list
+of them, with ``name`` and ``arguments``) become assistant tool calls and
+``observation`` / ``tool`` turns tool results; record-level ``tools`` (a list,
+or a JSON string of one, of bare function specs or OpenAI tool objects) and
+``system`` as LLaMA-Factory writes them. In both, assistant turns may carry
+``reasoning_content`` or ``reasoning`` (null is absent; two different texts
+reject the sample).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     # OpenAI content parts: a list of {"type": "text", "text": ...}
-    if isinstance(content, list) and content:
+    if isinstance(content, list):  # [] is no parts: empty text
         texts = []
         for i, part in enumerate(content):
             if not (
@@ -157,13 +159,20 @@ def _parse_openai(value: dict[str, Any]) -> Conversation:
         given, role = _role(turn, where, "role", OPENAI_ROLES)
         if role == "assistant":
             calls = turn.get("tool_calls")
+            if calls == []:  # how OpenAI-style exports write "no tool calls"
+                if turn.get("content") is None and turn.get("function_call") is None:
+                    content = "null" if "content" in turn else "missing"
+                    raise SampleRejected(
+                        f"{where}.tool_calls: [] and content {content}: an assistant message needs "
+                        "content, or tool_calls must be a non-empty list of tool calls"
+                    )
+                calls = None
             if calls is None and turn.get("function_call") is not None:
                 calls = [{"type": "function", "function": turn["function_call"]}]
                 where_calls = f"{where}.function_call"
             else:
                 where_calls = f"{where}.tool_calls"
-            reasoning = turn.get("reasoning_content", turn.get("reasoning"))
-            messages.append(_assistant(turn, "content", where, calls, where_calls, reasoning))
+            messages.append(_assistant(turn, "content", where, calls, where_calls, _reasoning(turn, where)))
         elif role == "tool":
             if "content" not in turn:
                 raise SampleRejected(f"{where}.content: missing")
@@ -197,7 +206,7 @@ def _parse_sharegpt(value: dict[str, Any]) -> Conversation:
             calls = _function_call_value(turn["value"], f"{where}.value")
             messages.append(_assistant({}, "value", where, calls, f"{where}.value", None))
         elif role == "assistant":
-            messages.append(_assistant(turn, "value", where, None, "", turn.get("reasoning_content")))
+            messages.append(_assistant(turn, "value", where, None, "", _reasoning(turn, where)))
         elif role == "tool":
             messages.append({"role": "tool", "content": _tool_result(turn["value"], f"{where}.value")})
         else:
@@ -217,7 +226,7 @@ def _assistant(
     where: str,
     calls: Any,
     where_calls: str,
-    reasoning: Any,
+    reasoning: str | None,
 ) -> dict[str, Any]:
     content = turn.get(content_key)
     if content_key not in turn and calls is None:
@@ -227,12 +236,35 @@ def _assistant(
     text = "" if content is None and calls is not None else _text(content, f"{where}.{content_key}")
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if reasoning is not None:
-        if not isinstance(reasoning, str):
-            raise SampleRejected(f"{where}.reasoning_content: must be a string, got {_type_name(reasoning)}")
         message["reasoning_content"] = reasoning
     if calls is not None:
         message["tool_calls"] = _tool_calls(calls, where_calls)
     return message
+
+
+def _first(value: dict[str, Any], *keys: str) -> Any:
+    """The value of the first of ``keys`` that ``value`` holds and is not null (None if none is).
+    Null is absent: Parquet rows hold every key of the file's schema, those a record lacks null."""
+    return next((value[key] for key in keys if value.get(key) is not None), None)
+
+
+_REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
+def _reasoning(turn: dict[str, Any], where: str) -> str | None:
+    """An assistant turn's reasoning from ``reasoning_content`` or ``reasoning`` (vLLM's newer
+    name), null being absent as in ``_first``: in Parquet a message written with one has both."""
+    given = {field: turn[field] for field in _REASONING_FIELDS if turn.get(field) is not None}
+    for field, value in given.items():
+        if not isinstance(value, str):
+            raise SampleRejected(f"{where}.{field}: must be a string, got {_type_name(value)}")
+    texts = {value for value in given.values() if value}
+    if len(texts) > 1:  # picking one would silently drop the other
+        raise SampleRejected(
+            f"{where}: reasoning_content and reasoning hold different texts; keep the turn's "
+            "reasoning in one of them (or the same text in both)"
+        )
+    return texts.pop() if texts else next(iter(given.values()), None)  # "" stays an empty reasoning
 
 
 def _function_call_value(raw: Any, where: str) -> list[dict[str, Any]]:
@@ -257,15 +289,18 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         at = f"{where}[{j}]"
         if not isinstance(call, dict):
             raise SampleRejected(f"{at}: expected an object, got {_type_name(call)}")
-        if call.get("type", "function") != "function":
-            raise SampleRejected(f"{at}.type: only 'function' tool calls are supported, got {call['type']!r}")
-        function = call.get("function", call)  # ShareGPT lists bare {name, arguments}
+        kind = _first(call, "type")
+        if kind not in (None, "function"):
+            raise SampleRejected(f"{at}.type: only 'function' tool calls are supported, got {kind!r}")
+        function = _first(call, "function")
+        function = call if function is None else function  # ShareGPT lists bare {name, arguments}
         if not isinstance(function, dict):
             raise SampleRejected(f"{at}.function: expected an object, got {_type_name(function)}")
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise SampleRejected(f"{at}.function.name: missing or not a string")
-        arguments = function.get("arguments", function.get("parameters", {}))
+        arguments = _first(function, "arguments", "parameters")
+        arguments = {} if arguments is None else arguments
         if isinstance(arguments, str):
             arguments = _json_value(arguments, f"{at}.function.arguments") if arguments.strip() else {}
         if not isinstance(arguments, dict):
@@ -307,13 +342,15 @@ def _tools(raw: Any, where: str) -> list[dict[str, Any]] | None:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise SampleRejected(f"{where}[{i}]: expected a function with a 'name'")
         tools.append({"type": "function", "function": function})
-    return tools
+    return tools or None  # "[]" given as a string: no tools, as [] is
 
 
 def _int_list(raw: Any, field: str) -> list[int]:
     if not isinstance(raw, list):
         raise SampleRejected(f"'{field}' must be a list of integers, got {_type_name(raw)}")
     for i, v in enumerate(raw):
+        if isinstance(v, float) and abs(v) >= INT64:  # orjson reads an integer beyond 64 bits as a float
+            raise SampleRejected(f"{field}[{i}] = {v!r} is beyond 64-bit integers")
         if not isinstance(v, int) or isinstance(v, bool):
             raise SampleRejected(f"{field}[{i}]: expected an integer, got {v!r}")
         if not -INT64 <= v < INT64:

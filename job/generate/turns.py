@@ -145,8 +145,9 @@ class TurnAssembler:
         mask = [1] * len(token_ids)
         if self.reasoning_in_loss or self._think is None:
             return mask
-        # As the data's turns are masked (job.data.encode): each <think>...</think> block and the
-        # whitespace after it are out; an unclosed block runs to the end of the turn.
+        # The model's own think tokens: each <think>...</think> block and the whitespace after it
+        # are out, and a block still open where the turn was cut runs to its end. (The data's turns,
+        # job.data.encode, lose only the block a turn opens with: later "<think>" there is text.)
         open_id, close_id = self._think
         inside = after_block = False
         for i, token in enumerate(token_ids):
