@@ -110,9 +110,12 @@ RECORDS: list[tuple[bytes, str | None, str | None]] = [
     (
         line({"id": "beyond-uint64", "input_ids": [2**64]}),
         "beyond-uint64",
-        "input_ids[0] = 1.8446744073709552e+19 is beyond 64-bit",
+        "input_ids[0] = 18446744073709551616 is beyond 64-bit",
     ),
     (nested(5000), None, "malformed JSON"),  # orjson's own limit: no RecursionError
+    (b'{"id": "digits", "input_ids": [' + b"9" * 300 + b"]}", "digits", "beyond 64-bit"),
+    # nested within orjson's limit but past Python's, with an integer only Python reads exactly
+    (b"[" * 1000 + b"12345678901234567890" + b"]" * 1000, None, "malformed JSON"),
     (nested(100), None, "nested deeper than 64"),
     (b'{"id": "nan", "input_ids": [NaN]}', None, "malformed JSON"),
     # ids that cannot be a sample's name

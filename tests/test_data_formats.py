@@ -447,19 +447,14 @@ def test_the_fingerprint_sees_a_same_size_edit(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("rid", "expected"),
     [
-        (
-            2**70,
-            "'id' is an integer beyond 64 bits (read as 1.1805916207174113e+21); write such ids as strings",
-        ),
-        (2**64, "'id' is an integer beyond 64 bits"),
-        (-(2**63) - 1, "'id' is an integer beyond 64 bits"),
-        (2**64 - 1, None),  # the longest integers JSON parsing keeps exact
-        (-(2**63), None),
+        (2**70, None),  # orjson alone would read 1.1805916207174113e+21
+        (-(2**63) - 1, None),
+        (2**64 - 1, None),
         (1.5, "'id' must be a string or an integer, got float"),
     ],
-    ids=["2**70", "2**64", "-2**63-1", "2**64-1", "-2**63", "1.5"],
+    ids=["2**70", "-2**63-1", "2**64-1", "1.5"],
 )
-def test_ids_beyond_64_bits_are_rejected_as_such(
+def test_integer_ids_of_any_size_are_their_exact_digits(
     tmp_path: Path, write_jsonl: Callable, rid: int | float, expected: str | None
 ) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": rid, "input_ids": [1, 2]}])
@@ -471,12 +466,8 @@ def test_ids_beyond_64_bits_are_rejected_as_such(
         assert record.error is not None and record.error.startswith(expected), record.error
 
 
-def test_a_run_names_an_id_beyond_64_bits_in_its_rejections(
-    tmp_path: Path,
-    run_job: Callable[..., Any],
-    fast_args: tuple[str, ...],
-    write_jsonl: Callable,
-    read_jsonl: Callable,
+def test_a_run_writes_an_id_beyond_64_bits_as_its_digits(
+    tmp_path: Path, run_job: Callable[..., Any], fast_args: tuple[str, ...], write_jsonl: Callable
 ) -> None:
     records = [
         {"id": "before", "input_ids": [1, 2]},
@@ -487,10 +478,9 @@ def test_a_run_names_an_id_beyond_64_bits_in_its_rejections(
     out = tmp_path / "out"
     result = run_job("run", f"--data.path={data}", f"--output.uri={out}", *fast_args)
     assert result.rc == 0, result.describe()
-    assert [s.sample_id for s in samples_of(out)] == ["before", "7"]
-    [entry] = read_jsonl(out / "index-00000" / "rejected.jsonl")
-    assert entry["sample_id"] == "ids.jsonl:2"
-    assert entry["reason"].startswith("'id' is an integer beyond 64 bits"), entry
+    assert [s.sample_id for s in samples_of(out)] == ["before", "1180591620717411303424", "7"]
+    manifest = read_manifest(out / "index-00000")
+    assert manifest is not None and manifest.counts.rejected == 0
 
 
 # --- tool-calling records in the chat-template shape ---------------------------------------
@@ -581,6 +571,49 @@ def test_openai_tool_messages_keep_what_templates_read() -> None:
     assert conv.messages[4] == {"role": "assistant", "content": "Snow."}
 
 
+def test_integers_beyond_64_bits_reach_the_prompt_as_written(
+    tmp_path: Path, write_jsonl: Callable, encoder: SampleEncoder
+) -> None:
+    """orjson alone reads such an integer as a float: the prompt would say 1.2345678901234568e+29."""
+    order, total = 123456789012345678901234567890, 2**70
+
+    def call(arguments: Any) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": "get_order", "arguments": arguments}}
+
+    tool = {
+        "name": "get_order",
+        "parameters": {"type": "object", "properties": {"id": {"type": "integer", "maximum": 2**64}}},
+    }
+    record = {
+        "id": "big-ints",
+        "tools": [{"type": "function", "function": tool}],
+        "messages": [
+            {"role": "user", "content": "Where is my order?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [call({"id": order})],
+            },
+            {"role": "tool", "content": {"total": total}},  # a result that is not text: its JSON
+            {
+                "role": "assistant",
+                "tool_calls": [call(json.dumps({"id": -order}))],  # arguments as JSON text
+            },
+            {"role": "tool", "content": "shipped"},
+            {"role": "assistant", "content": "It has shipped."},
+        ],
+    }
+    data = write_jsonl(tmp_path / "d.jsonl", [record])
+    [read] = read_records(list_input_files(str(data)))
+    assert read.value == record
+    sample = encoder.encode(read.sample_id, read.value, None)
+    assert isinstance(sample, EncodedSample)
+    text = encoder.tokenizer.decode(sample.input_ids.tolist())
+    for digits in (str(order), str(-order), str(total), str(2**64)):
+        assert digits in text, digits
+    assert "e+" not in text
+
+
 @pytest.mark.parametrize(
     ("record", "fmt", "phrase"),
     [
@@ -592,9 +625,9 @@ def test_openai_tool_messages_keep_what_templates_read() -> None:
         ({"conversations": []}, "openai", "this record is sharegpt"),
         ({"messages": []}, "tokenized", "this record is openai"),
         (
-            {"input_ids": [1, float(2**70)]},  # how orjson reads an integer beyond 64 bits
+            {"input_ids": [1, 2**70]},
             "tokenized",
-            "input_ids[1] = 1.1805916207174113e+21 is beyond 64-bit integers",
+            "input_ids[1] = 1180591620717411303424 is beyond 64-bit integers",
         ),
         (
             {"tools": {"name": "x"}, "messages": [{"role": "user", "content": "q"}]},

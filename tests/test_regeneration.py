@@ -425,3 +425,35 @@ def test_kill_9_then_resume_gives_the_uninterrupted_output(
         assert np.array_equal(sample.input_ids.numpy(), resumed[sample_id].input_ids.numpy())
         assert np.array_equal(sample.loss_mask.numpy(), resumed[sample_id].loss_mask.numpy())
     assert json.loads((out / "manifest.json").read_text())["generation"]["conversations"] == 24
+
+
+def test_a_sidecar_keeps_integers_beyond_64_bits_as_written(
+    tmp_path: Path, write_jsonl: Callable[..., Path], run_job: Callable[..., Any]
+) -> None:
+    """The sidecar holds the record's tool calls and tools; orjson cannot write such an integer."""
+    order = 123456789012345678901234567890
+    tool = {"name": "get_order", "parameters": {"type": "object", "properties": {"id": {"maximum": 2**64}}}}
+    call = {"type": "function", "function": {"name": "get_order", "arguments": {"id": order}}}
+    messages = [
+        user("Where is my order?"),
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": {"total": 2**70}},
+        user("And now?"),
+    ]
+    data = write_jsonl(
+        tmp_path / "tools.jsonl",
+        [{"id": "big", "tools": [{"type": "function", "function": tool}], "messages": messages}],
+    )
+    args = [a for a in GENERATE_ARGS if not a.startswith(("--model.path", "--generate.mode"))]
+    result = run_job(
+        "run",
+        f"--data.path={data}",
+        f"--output.uri={tmp_path / 'out'}",
+        "--model.path=builtin:tiny-qwen3",
+        "--generate.mode=last_turn",
+        *args,
+    )
+    assert result.rc == 0, result.describe()
+    line = sidecar_lines(tmp_path / "out" / "index-00000")["big"]  # json.loads keeps integers exact
+    assert line["messages"][1]["tool_calls"][0]["function"]["arguments"] == {"id": order}
+    assert line["tools"][0]["function"]["parameters"]["properties"]["id"]["maximum"] == 2**64

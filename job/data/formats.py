@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
+from job.data import exact_json
 
 SHAREGPT_ROLES = {
     "system": "system",
@@ -276,8 +276,8 @@ def _function_call_value(raw: Any, where: str) -> list[dict[str, Any]]:
 
 def _json_value(raw: str, where: str) -> Any:
     try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
+        return exact_json.loads(raw)
+    except exact_json.JSONDecodeError as exc:
         raise SampleRejected(f"{where}: not valid JSON ({exc})") from None
 
 
@@ -320,7 +320,7 @@ def _tool_result(content: Any, where: str) -> str:
         return _text(content, where)
     if content is None:
         raise SampleRejected(f"{where}: a tool result must not be null")
-    return orjson.dumps(content).decode()
+    return exact_json.dumps(content).decode()
 
 
 def _text_parts(content: list[Any]) -> bool:
@@ -349,8 +349,6 @@ def _int_list(raw: Any, field: str) -> list[int]:
     if not isinstance(raw, list):
         raise SampleRejected(f"'{field}' must be a list of integers, got {_type_name(raw)}")
     for i, v in enumerate(raw):
-        if isinstance(v, float) and abs(v) >= INT64:  # orjson reads an integer beyond 64 bits as a float
-            raise SampleRejected(f"{field}[{i}] = {v!r} is beyond 64-bit integers")
         if not isinstance(v, int) or isinstance(v, bool):
             raise SampleRejected(f"{field}[{i}]: expected an integer, got {v!r}")
         if not -INT64 <= v < INT64:

@@ -14,11 +14,10 @@ What one record can do is bounded, so no record crashes the run or sets its memo
 
 * a JSONL line over ``max_record_bytes`` is rejected without being held (it is
   read through in 1 MiB pieces);
-* JSON is parsed by orjson (no RecursionError): invalid UTF-8, lone surrogates
-  (``"\\udc80"``) and NaN/Infinity are malformed JSON, a rejection naming the
-  line; nesting deeper than ``MAX_DEPTH`` (64) levels is rejected too; integers beyond
-  64 bits arrive as floats (orjson holds integers in 64 bits), which are rejected as
-  beyond 64 bits where integers belong: ``id`` here, token lists in job.data.formats;
+* JSON is parsed by orjson (no RecursionError), integers of any size kept exact
+  (job.data.exact_json): invalid UTF-8, lone surrogates (``"\\udc80"``) and
+  NaN/Infinity are malformed JSON, a rejection naming the line; nesting deeper than
+  ``MAX_DEPTH`` (64) levels is rejected too;
 * an ``id`` must be a non-empty string or an integer, at most ``MAX_ID_BYTES`` of
   UTF-8; anything else rejects the record under its ``<file>:<n>`` id;
 * ``\\n``, ``\\r\\n`` and a lone ``\\r`` all end a line (JSON strings cannot hold a
@@ -48,11 +47,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import orjson
 from awscrt.checksums import crc64nvme
 
 from job.checksum import encode as encode_crc
-from job.data.formats import INT64
+from job.data import exact_json
 from job.errors import ConfigError
 from job.settings import config_dir
 from job.storage import connect_transport, uri_scheme
@@ -397,8 +395,6 @@ def _record_id(value: dict[str, Any], fallback: str) -> tuple[str, str | None]:
     rid = value.get("id")
     if rid is None or rid == "":
         return fallback, None
-    if isinstance(rid, float) and abs(rid) >= INT64:  # orjson's reading of a longer integer
-        return fallback, f"'id' is an integer beyond 64 bits (read as {rid!r}); write such ids as strings"
     if isinstance(rid, bool) or not isinstance(rid, str | int):
         return fallback, f"'id' must be a string or an integer, got {type(rid).__name__}"
     rid = str(rid)
@@ -496,8 +492,8 @@ def _read_jsonl(f: InputFile, raw: IO[bytes], limit: int) -> Iterator[tuple[Reco
             if error is not None:
                 raise error
         try:
-            value = orjson.loads(line)
-        except orjson.JSONDecodeError as exc:
+            value = exact_json.loads(line)
+        except exact_json.JSONDecodeError as exc:
             yield Record(fallback, None, f"malformed JSON: {exc}", 0, length), position
             continue
         if not isinstance(value, dict):

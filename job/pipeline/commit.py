@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import orjson
 import torch
 
 from job.checksum import ALGORITHM, crc64nvme_file
+from job.data import exact_json
 from job.data.encode import EncodedSample
 from job.generate.stage import generation_counts
 from job.layout import PARTIAL, regenerated_name
@@ -146,7 +146,7 @@ class Committer:
         path = self.store.local_path(name + PARTIAL)
         with path.open("wb") as f:
             for record in records:
-                f.write(orjson.dumps(record) + b"\n")
+                f.write(exact_json.dumps(record) + b"\n")
         nbytes, checksum = path.stat().st_size, crc64nvme_file(path)
         self.store.commit_file(path, name, checksum)
         return Regenerated(
