@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import zstandard
@@ -612,6 +613,44 @@ def test_integers_beyond_64_bits_reach_the_prompt_as_written(
     for digits in (str(order), str(-order), str(total), str(2**64)):
         assert digits in text, digits
     assert "e+" not in text
+
+
+def test_parquet_struct_columns_do_not_lend_a_row_the_other_rows_fields(
+    tmp_path: Path, encoder: SampleEncoder
+) -> None:
+    """Arrow gives every row of a struct column every field any row has (nulls where it had none),
+    as a Parquet export of agentic data does: each row's tools and calls must read back as written."""
+
+    def row(sid: str, name: str, argument: str, kind: str, value: Any) -> dict[str, Any]:
+        call = {"type": "function", "function": {"name": name, "arguments": {argument: value}}}
+        properties = {argument: {"type": kind}}
+        tool = {
+            "name": name,
+            "parameters": {"type": "object", "properties": properties, "required": [argument]},
+        }
+        return {
+            "id": sid,
+            "tools": [{"type": "function", "function": tool}],
+            "messages": [
+                {"role": "user", "content": f"Use {name}."},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "done"},
+                {"role": "assistant", "content": "Done."},
+            ],
+        }
+
+    rows = [
+        row("weather", "get_weather", "city", "string", "Oslo"),
+        row("order", "get_order", "order_id", "integer", 5),
+    ]
+    table = pa.Table.from_pylist(rows)
+    assert table.to_pylist()[0]["tools"][0]["function"]["parameters"]["properties"]["order_id"] is None
+    pq.write_table(table, tmp_path / "tools.parquet")
+    read = read_records(list_input_files(str(tmp_path / "tools.parquet")))
+    assert [r.value for r in read] == rows
+    sample = encoder.encode("weather", rows[0], None)
+    assert isinstance(sample, EncodedSample)
+    assert "order_id" not in encoder.tokenizer.decode(sample.input_ids.tolist())
 
 
 @pytest.mark.parametrize(

@@ -565,10 +565,23 @@ def _batch_rows(batch: Any) -> Iterator[tuple[dict[str, Any], None] | tuple[None
         rows = None
     if rows is not None:
         for value in rows:
-            yield value, None
+            yield _without_nulls(value), None
         return
     for i in range(batch.num_rows):
         try:
-            yield batch.slice(i, 1).to_pylist()[0], None
+            yield _without_nulls(batch.slice(i, 1).to_pylist()[0]), None
         except (UnicodeDecodeError, ValueError) as exc:
             yield None, f"row cannot be read: {exc}"
+
+
+def _without_nulls(value: Any) -> Any:
+    """``value`` without the null fields of its objects, at any depth. A struct column gives every
+    row every field any row has, null where a row had none: a tool's ``properties`` or a call's
+    ``arguments`` would reach the prompt with the other rows' keys as nulls. Parquet cannot tell
+    such a null from one that was written, so a null field counts as absent. Lists keep their nulls."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    # An Arrow list holds one type: a list whose first non-null item is a scalar holds no objects.
+    if isinstance(value, list) and isinstance(next((v for v in value if v is not None), None), dict | list):
+        return [_without_nulls(v) for v in value]
+    return value
