@@ -25,6 +25,7 @@ job/pipeline/runner.py, resume.py  test_resume, test_output_stability, test_sigt
 job/pipeline/feed.py               test_shard_planner
 job/pipeline/routing.py, commit.py test_committer, test_local_model (repack after NaN)
 job/pipeline/rejections.py         test_rejections_and_logs
+job/pipeline/cleanup.py            test_cleanup
 job/pipeline/stop.py               test_stop_flag, test_sigterm, test_vllm_e2e (engine start-up)
 job/shards/planner.py              test_shard_planner
 job/shards/writer.py, format.py    test_shard_writer, test_committer, test_output_stability

@@ -4,7 +4,8 @@ resume (what the manifest holds) -> wire (tokenizer stream, backend, shard write
 committer) -> extract (backend chunks routed into shards) -> commit (every finished
 shard listed; a stop signal ends the run here, consistent) -> finish (accounting,
 rejected.jsonl, the final manifest, totals). Clean-up runs in reverse order of set-up
-whatever happens, and the run's log is shipped last.
+whatever happens (job.pipeline.cleanup: a failing step never replaces the run's own error),
+and the run's log is shipped last.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from job.errors import ConfigError, JobError, Terminated
 from job.generate.stage import Regenerator
 from job.layout import REJECTED, log_name
 from job.logs import get_logger, log_file
+from job.pipeline.cleanup import Cleanup
 from job.pipeline.commit import Committer
 from job.pipeline.feed import BackendFeed
 from job.pipeline.rejections import Rejections, SampleWarnings
@@ -95,7 +97,7 @@ class IndexRun:
         self.started = time.monotonic()
 
     def run(self) -> dict[str, Any]:
-        with ExitStack() as cleanup:
+        with Cleanup(self.log) as cleanup:
             self._open_log(cleanup)
             try:
                 wiring = self._wire(cleanup)
@@ -115,9 +117,11 @@ class IndexRun:
         log_file.open(path)
 
         def ship() -> None:
-            log_file.flush()
-            self.store.put_file(path, name)
-            log_file.close()
+            try:
+                log_file.flush()
+                self.store.put_file(path, name)
+            finally:
+                log_file.close()
 
         cleanup.callback(ship)
         manifest = self.resumed.manifest
