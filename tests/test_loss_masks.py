@@ -471,6 +471,45 @@ def test_the_rendered_reasoning_block_is_left_out_and_a_later_tag_kept(
     assert "<think>\nName the tag.\n</think>\n\n" in unmasked
 
 
+# Qwen3-Thinking-2507's generation prompt opens the reasoning block itself: a turn that follows it
+# starts inside the block (prefix-diff finds it after "<think>\n"), so its reasoning is the text up
+# to the first </think>. Its real template has no generation markers.
+GENERATION_PROMPT = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+THINKING_TEMPLATE = QWEN3_TEMPLATE.replace(
+    GENERATION_PROMPT, GENERATION_PROMPT.replace("assistant\\n", "assistant\\n<think>\\n")
+)
+
+
+@pytest.mark.parametrize("method", ["markers", "prefix_diff"])
+def test_reasoning_after_a_generation_prompt_that_opens_it_is_left_out(
+    builtin_model: Callable[[str], Path], method: str
+) -> None:
+    assert THINKING_TEMPLATE != QWEN3_TEMPLATE
+    template = THINKING_TEMPLATE if method == "markers" else strip_generation_markers(THINKING_TEMPLATE)
+    record = {
+        "tools": [WEATHER],
+        "messages": [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "Snow.", "reasoning_content": "Earlier turns lose theirs."},
+            {"role": "user", "content": "And in Rome?"},
+            {
+                "role": "assistant",
+                "reasoning_content": "Look it up.",
+                "tool_calls": [call("get_weather", '{"city": "Rome"}', "c1")],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            {"role": "assistant", "content": "Sunny.", "reasoning_content": "The tool answered."},
+        ],
+    }
+    encoder = reasoning_encoder(builtin_model("tiny-qwen3"), template, False)
+    sample = encode(encoder, record)
+    call_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>'
+    spans = [encoder.tokenizer.decode(s) for s in masked_spans(sample)]
+    assert spans == ["Snow.<|im_end|>", call_text, "Sunny.<|im_end|>"]
+    with_reasoning = encode(reasoning_encoder(builtin_model("tiny-qwen3"), template, True), record)
+    np.testing.assert_array_equal(sample.input_ids, with_reasoning.input_ids)  # same tokens
+
+
 # --- consecutive assistant turns ---------------------------------------------------------------
 
 # Qwen3's template renders an assistant turn that ends the conversation with a <think> block:

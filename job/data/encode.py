@@ -7,7 +7,8 @@ content, its tool calls, its reasoning where the template renders it, and its
 end-of-turn token; 0 on system and user turns, tool results, role headers and
 generation prompts. ``reasoning_in_loss: false`` also leaves out the closed
 ``<think>...</think>`` block an assistant turn opens with (and the whitespace
-after it). Two ways to find the assistant's characters in the rendered text:
+after it), or, after a generation prompt that opens the block itself, the turn's
+text up to the first ``</think>``. Two ways to find the assistant's characters in the rendered text:
 
 * templates with ``{% generation %}`` markers: what the markers enclose;
 * any other template (``prefix-diff``): for each assistant message, the render
@@ -531,13 +532,23 @@ def _without_reasoning(text: str, spans: list[Span]) -> list[Span]:
     """``spans`` less the closed <think>...</think> block each opens with (after whitespace
     only) and the whitespace after it. Reasoning comes first in a turn, both as templates render
     reasoning_content and as contents hold their own; a <think> further in, or one never closed,
-    is the answer's text (one about the tag) and stays in the loss."""
+    is the answer's text (one about the tag) and stays in the loss. A turn after a generation
+    prompt that itself opens the block (``<think>\n``, as Qwen3-Thinking-2507's does) begins
+    inside it: its reasoning runs to the first </think>."""
     kept: list[Span] = []
     for a, b in spans:
         open_at = a
         while open_at < b and text[open_at].isspace():
             open_at += 1
-        close_at = text.find(THINK_CLOSE, open_at, b) if text.startswith(THINK_OPEN, open_at, b) else -1
+        before = a
+        while before > 0 and text[before - 1].isspace():
+            before -= 1
+        if text.startswith(THINK_OPEN, open_at, b):
+            close_at = text.find(THINK_CLOSE, open_at, b)
+        elif text.endswith(THINK_OPEN, 0, before):  # the prompt opened the block
+            open_at, close_at = a, text.find(THINK_CLOSE, a, b)
+        else:
+            close_at = -1
         if close_at < 0:
             kept.append((a, b))
             continue
