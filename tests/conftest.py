@@ -64,6 +64,8 @@ from typing import Any
 
 import pytest
 
+from job.tiny import QWEN3_TEMPLATE
+
 # For a test that needs vLLM in a module that also runs without it; REQUIRE_VLLM=1 (CI) makes a
 # missing vLLM a failure instead.
 needs_vllm = pytest.mark.skipif(
@@ -135,6 +137,14 @@ def hide_vllm(directory: Path, how: str = "refused") -> str:
 # no tokenizer process to spawn (it re-imports transformers, ~3 s) and float32, which
 # is both faster than bfloat16 on CPU and exact when compared with the reference.
 FAST_ARGS = ("--data.tokenizer_workers=0", "--model.dtype=float32")
+
+# Qwen3-Thinking-2507's shape: its generation prompt opens the reasoning block itself
+# ("<|im_start|>assistant\n<think>\n"), so a turn generated or found after it starts inside one.
+_GENERATION_PROMPT = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+assert _GENERATION_PROMPT in QWEN3_TEMPLATE
+THINKING_TEMPLATE = QWEN3_TEMPLATE.replace(
+    _GENERATION_PROMPT, _GENERATION_PROMPT.replace("assistant\\n", "assistant\\n<think>\\n")
+)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import THINKING_TEMPLATE
 
 from job.data.encode import (
     REASONING_NOT_RENDERED,
@@ -471,20 +472,10 @@ def test_the_rendered_reasoning_block_is_left_out_and_a_later_tag_kept(
     assert "<think>\nName the tag.\n</think>\n\n" in unmasked
 
 
-# Qwen3-Thinking-2507's generation prompt opens the reasoning block itself: a turn that follows it
-# starts inside the block (prefix-diff finds it after "<think>\n"), so its reasoning is the text up
-# to the first </think>. Its real template has no generation markers.
-GENERATION_PROMPT = "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-THINKING_TEMPLATE = QWEN3_TEMPLATE.replace(
-    GENERATION_PROMPT, GENERATION_PROMPT.replace("assistant\\n", "assistant\\n<think>\\n")
-)
-
-
 @pytest.mark.parametrize("method", ["markers", "prefix_diff"])
 def test_reasoning_after_a_generation_prompt_that_opens_it_is_left_out(
     builtin_model: Callable[[str], Path], method: str
 ) -> None:
-    assert THINKING_TEMPLATE != QWEN3_TEMPLATE
     template = THINKING_TEMPLATE if method == "markers" else strip_generation_markers(THINKING_TEMPLATE)
     record = {
         "tools": [WEATHER],

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import THINKING_TEMPLATE
 
 from job.backends import Completion, GenerationInput
 from job.data.encode import EncodedSample, EncoderSpec, GenerationStart, RejectedSample, SampleEncoder
@@ -48,9 +49,17 @@ def make_regenerator(
     max_length: int = 4096,
     on_length: str = "keep",
     max_new_tokens: int = 64,
+    chat_template: str | None = None,
 ) -> Regenerator:
     spec = EncoderSpec(
-        str(model_dir), None, "auto", max_length, "truncate", 1024, reasoning_in_loss, generate_mode=mode
+        str(model_dir),
+        chat_template,
+        "auto",
+        max_length,
+        "truncate",
+        1024,
+        reasoning_in_loss,
+        generate_mode=mode,
     )
     encoder = SampleEncoder(spec)
     generate = GenerateSettings(mode=mode, temperature=0.0, max_new_tokens=max_new_tokens)
@@ -203,6 +212,19 @@ def test_a_template_that_rewrites_earlier_turns_rejects_all_turns_and_last_turn_
     sample, _ = regenerate(regenerator, CONVERSATION, answers[1:])
     assert isinstance(sample, EncodedSample)
     # data.reasoning_in_loss: false leaves the <think> block out of the loss, the answer in.
+    assert masked_text(regenerator.encoder, sample) == ["It is 6.<|im_end|>"]
+
+
+def test_reasoning_after_a_generation_prompt_that_opens_it_is_left_out(
+    builtin_model: Callable[[str], Path],
+) -> None:
+    """The model generates no <think> of its own after "<think>\\n" in the prompt."""
+    regenerator = make_regenerator(
+        builtin_model("tiny-qwen3"), "last_turn", reasoning_in_loss=False, chat_template=THINKING_TEMPLATE
+    )
+    sample, requests = regenerate(regenerator, CONVERSATION, ["add them\n</think>\n\nIt is 6."])
+    assert as_text(regenerator.encoder, requests[0].prompt_ids).endswith("<|im_start|>assistant\n<think>\n")
+    assert isinstance(sample, EncodedSample)
     assert masked_text(regenerator.encoder, sample) == ["It is 6.<|im_end|>"]
 
 
