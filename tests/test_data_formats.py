@@ -572,6 +572,22 @@ def test_openai_tool_messages_keep_what_templates_read() -> None:
     assert conv.messages[4] == {"role": "assistant", "content": "Snow."}
 
 
+@pytest.mark.parametrize("field", ["messages", "conversations"])
+def test_turns_given_as_json_text_are_read_as_the_list(field: str) -> None:
+    """A string column of JSON, as a CSV or Parquet export of nested data holds the turns."""
+    record = (
+        {"messages": OPENAI[0]["messages"]}
+        if field == "messages"
+        else {"conversations": SHAREGPT[0]["conversations"]}
+    )
+    as_text = {field: json.dumps(record[field])}
+    assert parse_record(as_text, "auto") == parse_record(record, "auto")
+    with pytest.raises(
+        SampleRejected, match=f"'{field}' \\(a string: read as the JSON of the list of turns\\): not valid"
+    ):
+        parse_record({field: "[{"}, "auto")
+
+
 def test_integers_beyond_64_bits_reach_the_prompt_as_written(
     tmp_path: Path, write_jsonl: Callable, encoder: SampleEncoder
 ) -> None:

@@ -22,7 +22,8 @@ calls, as null is. ShareGPT: ``function_call`` turns (a JSON object, or a list
 of them, with ``name`` and ``arguments``) become assistant tool calls and
 ``observation`` / ``tool`` turns tool results; record-level ``tools`` (a list,
 or a JSON string of one, of bare function specs or OpenAI tool objects) and
-``system`` as LLaMA-Factory writes them. In both, assistant turns may carry
+``system`` as LLaMA-Factory writes them. In both, the list of turns may be given as
+its JSON text (a string column of a CSV or Parquet export); assistant turns may carry
 ``reasoning_content`` or ``reasoning`` (null is absent; two different texts
 reject the sample).
 """
@@ -133,6 +134,8 @@ def _turns(value: dict[str, Any], field: str, fmt: str) -> list[Any]:
     turns = value.get(field)
     if turns is None:
         raise _missing(value, field, fmt)
+    if isinstance(turns, str):  # a column of JSON text, as CSV and some Parquet exports hold it
+        turns = _json_value(turns, f"'{field}' (a string: read as the JSON of the list of turns)")
     if not isinstance(turns, list):
         raise SampleRejected(f"'{field}' must be a list, got {_type_name(turns)}")
     if not turns:
