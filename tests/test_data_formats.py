@@ -545,6 +545,7 @@ def test_openai_tool_messages_keep_what_templates_read() -> None:
             },
             {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": {"sky": "snow"}},
             {"role": "function", "name": "get_weather", "content": "legacy result"},
+            {"role": "ipython", "content": "Llama 3.1's result"},
             {"role": "assistant", "content": [{"type": "text", "text": "Snow."}]},
         ],
     }
@@ -569,7 +570,8 @@ def test_openai_tool_messages_keep_what_templates_read() -> None:
         "name": "get_weather",
     }
     assert conv.messages[3] == {"role": "tool", "content": "legacy result", "name": "get_weather"}
-    assert conv.messages[4] == {"role": "assistant", "content": "Snow."}
+    assert conv.messages[4] == {"role": "tool", "content": "Llama 3.1's result"}
+    assert conv.messages[5] == {"role": "assistant", "content": "Snow."}
 
 
 @pytest.mark.parametrize("field", ["messages", "conversations"])

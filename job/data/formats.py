@@ -16,7 +16,7 @@ calling included (the OpenAI shape):
 * ``{"role": "tool", "content": str, "tool_call_id": str, "name": str}``;
 * tool definitions as ``[{"type": "function", "function": {...}}]``.
 
-OpenAI: roles system/developer, user, assistant, tool (and the legacy
+OpenAI: roles system/developer, user, assistant, tool (and Llama 3.1's ipython, the legacy
 ``function`` role and ``function_call`` field); ``tool_calls: []`` is no tool
 calls, as null is. ShareGPT: ``function_call`` turns (a JSON object, or a list
 of them, with ``name`` and ``arguments``) become assistant tool calls and
@@ -54,6 +54,7 @@ OPENAI_ROLES = {
     "assistant": "assistant",
     "tool": "tool",
     "function": "tool",  # OpenAI's legacy function-calling results
+    "ipython": "tool",  # Llama 3.1's tool results
 }
 INT64 = 2**63
 
