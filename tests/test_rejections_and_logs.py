@@ -46,7 +46,12 @@ CASES: list[tuple[Any, str, str | None]] = [
     (b'{"id": "caf\xe9", "text": "latin-1, not UTF-8"}', "bad.jsonl:3", "UTF-8"),
     ("[1, 2, 3]", "bad.jsonl:4", "JSON object"),
     ({"id": "no-fields", "text": "hello"}, "no-fields", "'messages'"),
-    ({"id": "conv-not-list", "conversations": "hello"}, "conv-not-list", "must be a list"),
+    ({"id": "conv-not-list", "conversations": {"from": "human"}}, "conv-not-list", "must be a list"),
+    (
+        {"id": "conv-text-not-json", "conversations": "hello"},
+        "conv-text-not-json",
+        "'conversations' (a string: read as the JSON of the list of turns): not valid JSON",
+    ),
     ({"id": "turn-not-object", "messages": ["hello"]}, "turn-not-object", "expected an object"),
     (
         {"id": "missing-role", "messages": [{"content": "hi"}, {"role": "assistant", "content": "x"}]},
