@@ -104,9 +104,13 @@ class _OpenShard:
         self, offset: int, values: np.ndarray | memoryview | bytes, wait: bool, rows: bool = False
     ) -> None:
         source = np.frombuffer(memoryview(values).cast("B"), np.uint8)
-        # O_DIRECT needs the memory address, the file offset and the length block-aligned.
+        # O_DIRECT needs the memory address, the file offset and the length block-aligned. Only
+        # hidden-state rows take it: the header, ids, masks and scales are small, and whether their
+        # memory happened to be aligned would decide their path by chance.
         direct = (
-            self.direct_fd is not None and (source.ctypes.data | offset | source.size) % DATA_ALIGNMENT == 0
+            rows
+            and self.direct_fd is not None
+            and (source.ctypes.data | offset | source.size) % DATA_ALIGNMENT == 0
         )
         if direct:  # a full disk fails the write itself with ENOSPC
             pwrite_all(self.direct_fd, source, offset)
