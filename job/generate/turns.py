@@ -102,7 +102,7 @@ class TurnAssembler:
         regeneration.turns.append(
             GeneratedTurn(target, len(regeneration.ids), list(token_ids), finish_reason, seed)
         )
-        regeneration.mask.extend(self._turn_mask(token_ids, opened=self._opens_block(regeneration.ids)))
+        regeneration.mask.extend(self._turn_mask(token_ids, prompt_ids=regeneration.ids))
         regeneration.ids.extend(int(t) for t in token_ids)
         content = self._content(token_ids)
         message = {"role": "assistant", "content": content}
@@ -141,26 +141,20 @@ class TurnAssembler:
         head = prompt + messages[previous]["content"] + (self._eos_text[ended] if ended is not None else "")
         return text[len(head) :] if text.startswith(head) else None
 
-    def _opens_block(self, prompt_ids: list[int]) -> bool:
-        """Whether the prompt ends in <think> (and whitespace): a generation prompt that opens the
-        reasoning block itself, as Qwen3-Thinking-2507's does, so the turn starts inside it."""
-        if self.reasoning_in_loss or self._think is None:
-            return False
-        last = len(prompt_ids) - 1
-        while last >= 0 and self._is_space(prompt_ids[last]):
-            last -= 1
-        return last >= 0 and prompt_ids[last] == self._think[0]
-
-    def _turn_mask(self, token_ids: list[int], opened: bool) -> list[int]:
+    def _turn_mask(self, token_ids: list[int], prompt_ids: list[int]) -> list[int]:
         mask = [1] * len(token_ids)
         if self.reasoning_in_loss or self._think is None:
             return mask
         # The model's own think tokens: each <think>...</think> block and the whitespace after it
-        # are out (``opened``: the prompt opened the first one), and a block still open where the
-        # turn was cut runs to its end. (The data's turns, job.data.encode, lose only the block a
-        # turn opens with: later "<think>" there is text.)
+        # are out, and a block still open where the turn was cut runs to its end. A prompt ending
+        # in <think> (and whitespace), as Qwen3-Thinking-2507's generation prompt does, opened the
+        # first one. (The data's turns, job.data.encode, lose only the block a turn opens with:
+        # later "<think>" there is text.)
         open_id, close_id = self._think
-        inside, after_block = opened, False
+        last = len(prompt_ids) - 1
+        while last >= 0 and self._is_space(prompt_ids[last]):
+            last -= 1
+        inside, after_block = last >= 0 and prompt_ids[last] == open_id, False
         for i, token in enumerate(token_ids):
             if token == open_id:
                 inside = True
