@@ -540,12 +540,9 @@ def _without_reasoning(text: str, spans: list[Span]) -> list[Span]:
         open_at = a
         while open_at < b and text[open_at].isspace():
             open_at += 1
-        before = a
-        while before > 0 and text[before - 1].isspace():
-            before -= 1
         if text.startswith(THINK_OPEN, open_at, b):
             close_at = text.find(THINK_CLOSE, open_at, b)
-        elif text.endswith(THINK_OPEN, 0, before):  # the prompt opened the block
+        elif _opened_before(text, a):  # the prompt opened the block
             open_at, close_at = a, text.find(THINK_CLOSE, a, b)
         else:
             close_at = -1
@@ -557,6 +554,13 @@ def _without_reasoning(text: str, spans: list[Span]) -> list[Span]:
             pos += 1
         kept += [(a, open_at), (pos, b)]
     return [(a, b) for a, b in kept if b > a]
+
+
+def _opened_before(text: str, end: int) -> bool:
+    """Whether ``text[:end]``, trailing whitespace aside, ends in <think> (without copying it)."""
+    while end > 0 and text[end - 1].isspace():
+        end -= 1
+    return text.endswith(THINK_OPEN, 0, end)
 
 
 def _check_tools_rendered(
