@@ -1,7 +1,7 @@
 """The regeneration stage between the tokenizer stream and the shard planner.
 
 Conversations come in as GenerationStarts; each turn goes to the backend as a GenerationInput
-(the same engine that then extracts); its Completion comes back through the chunk router; the
+(the same engine that then extracts); its Completion comes back through the run's extract loop; the
 next turn's prompt is built (job.generate.turns) until the conversation is done, and the
 finished sample waits for the planner. What it generated is kept per sample until the shard
 holding it is committed (the sidecar, job.pipeline.commit).
