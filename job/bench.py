@@ -865,7 +865,15 @@ class _RowsFromMemory(Backend):
             n = len(item.input_ids)
             for start in range(0, n, self.token_budget):  # chunked like long prefills
                 stop = min(n, start + self.token_budget)
-                yield HiddenChunk(item.sample_id, start, self.rows[: stop - start], None, stop == n, False)
+                yield HiddenChunk(
+                    item.sample_id,
+                    start,
+                    self.rows[: stop - start],
+                    None,
+                    stop == n,
+                    False,
+                    destination=item.destination,
+                )
 
 
 def _worker_write(args: argparse.Namespace) -> dict[str, Any]:

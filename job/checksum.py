@@ -8,7 +8,7 @@ import mmap
 import os
 from pathlib import Path
 
-from awscrt.checksums import combine_crc64nvme, crc64nvme
+from awscrt.checksums import crc64nvme
 
 ALGORITHM = "crc64nvme"
 _CHUNK = 8 * 1024 * 1024
@@ -29,20 +29,6 @@ def crc64nvme_file(path: Path) -> str:
                     crc = crc64nvme(view[start : start + _CHUNK], crc)
             finally:
                 view.release()
-    return encode(crc)
-
-
-def combine_pieces(pieces: list[tuple[int, int, int]], total: int, name: str) -> str:
-    """The checksum of a ``total``-byte file from the checksums of the pieces it
-    was written in, ``(offset, length, crc)``; the pieces must tile it exactly."""
-    crc = end = 0
-    for offset, length, piece in sorted(pieces):
-        if offset != end:
-            raise ValueError(f"{name}: bytes {min(offset, end)}..{max(offset, end)} written twice or never")
-        crc = combine_crc64nvme(crc, piece, length)
-        end += length
-    if end != total:
-        raise ValueError(f"{name}: bytes {end}..{total} never written")
     return encode(crc)
 
 

@@ -11,9 +11,9 @@ import numpy as np
 from job.data.encode import EncodedSample, GenerationStart, RejectedSample, SampleEncoder
 from job.data.source import read_records
 from job.data.stream import EncodedStream
+from job.pipeline.feed import ShardPlanner
 from job.pipeline.setup import RunSetup, prepare_run
 from job.settings import JobSettings
-from job.shards.planner import ShardPlanner
 
 # Measured on one H200, vLLM 0.26, Llama-3.1-8B shape, shards to local disk (docs/benchmarks.md,
 # run 20261129T124456Z): the basis of the rough wall-time estimate.

@@ -23,12 +23,12 @@ job/data/encode.py, formats.py     test_loss_masks, test_data_formats, test_reje
 job/pipeline/setup.py              test_fp8 (bytes per token), test_local_model (fingerprints)
 job/pipeline/runner.py, resume.py  test_resume, test_output_stability, test_sigterm, test_s3_job
 job/pipeline/feed.py               test_shard_planner
-job/pipeline/routing.py, commit.py test_committer, test_local_model (repack after NaN)
+job/pipeline/commit.py             test_committer, test_local_model (repack after NaN)
 job/pipeline/rejections.py         test_rejections_and_logs
 job/pipeline/cleanup.py            test_cleanup
 job/pipeline/stop.py               test_stop_flag, test_sigterm, test_vllm_e2e (engine start-up)
-job/shards/planner.py              test_shard_planner
-job/shards/writer.py, format.py    test_shard_writer, test_committer, test_output_stability
+job/shards/writer.py, format.py    test_shard_writer, test_committer, test_output_stability,
+                                   test_shard_planner (plans and layouts)
 job/shards/reader.py               test_shards_roundtrip, test_fp8
 job/storage/local.py, staging.py   test_resume, test_committer, test_shard_planner
 job/storage/objects.py, s3.py      test_s3_store, test_s3_job, test_s3_export

@@ -102,6 +102,7 @@ class DeterministicBackend(Backend):
                     None if scales is None else scales.contiguous(),
                     last=stop == len(ids),
                     nonfinite=not bool(torch.isfinite(part).all()),
+                    destination=item.destination,
                 )
 
 

@@ -1,5 +1,6 @@
 """ShardPlanner and the backend feed, in process: which samples go into which shard, in what
-order, and what the backend is handed while staging space is short."""
+order, where each sample's rows are to go, and what the backend is handed while staging space
+is short."""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ import numpy as np
 from job.data.encode import EncodedSample
 from job.hidden_dtype import hidden_dtype
 from job.layout import index_dir_name
-from job.pipeline.feed import BackendFeed
+from job.pipeline.feed import BackendFeed, ShardPlanner
 from job.pipeline.stop import StopFlag
-from job.shards.planner import ShardPlan, ShardPlanner
-from job.shards.writer import ShardContext, ShardWriter
+from job.shards.format import ShardContext, ShardPlan
 from job.storage.local import LocalIndexStore
 from job.storage.staging import StagingArea
 
@@ -48,41 +48,48 @@ def test_nothing_to_flush_without_samples() -> None:
     assert list(ShardPlanner(100, BYTES_PER_TOKEN, 0).flush()) == []
 
 
-def _writer(store: LocalIndexStore, finished: list) -> ShardWriter:
-    context = ShardContext(1, 4, hidden_dtype("float32"), {"dtype": "float32", "model_dtype": "float32"})
-    return ShardWriter(context, finished.append, direct_io=False)
+CONTEXT = ShardContext(1, 4, hidden_dtype("float32"), {"dtype": "float32", "model_dtype": "float32"})
 
 
-def test_the_feed_opens_a_shard_before_handing_out_its_samples(tmp_path: Path) -> None:
+def test_the_feed_reserves_a_shard_before_handing_out_its_samples(tmp_path: Path) -> None:
     store = LocalIndexStore.open(str(tmp_path), 0)
-    writer = _writer(store, [])
     samples = [sample(f"s{i}", 20) for i in range(5)]
     with StopFlag() as stop:
-        inputs = BackendFeed(iter(samples), ShardPlanner(16 * 20 * 2, 16, 0), writer, store.staging, stop)
+        inputs = BackendFeed(iter(samples), ShardPlanner(16 * 20 * 2, 16, 0), CONTEXT, store.staging, stop)
         got = []
         for item in inputs:
             assert item is not None
-            # the shard holding this sample exists before the backend sees the sample
-            assert any(p.name.startswith("shard-") for p in (tmp_path / index_dir_name(0)).iterdir())
-            got.append(item.sample_id)
-    assert got == [s.sample_id for s in samples]
-    assert [p.name for p in writer.abandon_open()] == [f"shard-0000{i}.safetensors" for i in range(3)]
+            # the shard holding this sample exists, at its final size, before the backend sees it
+            shard, position = item.destination.shard, item.destination.position
+            assert shard.plan.samples[position].sample_id == item.sample_id
+            assert (
+                shard.staged.path.stat().st_size
+                == shard.layout.total_bytes
+                == CONTEXT.layout(shard.plan).total_bytes
+            )
+            got.append((item.sample_id, shard.plan.name, position))
+    assert got == [(f"s{i}", f"shard-0000{i // 2}.safetensors", i % 2) for i in range(5)]
+    assert [p.name for p in inputs.abandon()] == [f"shard-0000{i}.safetensors" for i in range(3)]
+    assert store.staging.used_bytes == 0  # given back, and the files gone
+    assert not any(p.name.startswith("shard-") for p in (tmp_path / index_dir_name(0)).iterdir())
+    assert inputs.abandon() == []
     store.close()
 
 
 def test_the_feed_yields_none_while_staging_is_full_and_stops_on_request(tmp_path: Path) -> None:
     store = LocalIndexStore.open(str(tmp_path), 0)
-    writer = _writer(store, [])
     samples = [sample(f"s{i}", 20) for i in range(6)]
     planner = ShardPlanner(2 * 20 * 16, 16, 0)  # two samples a shard
-    one_shard = writer.layout(ShardPlan(0, samples[:2])).total_bytes
+    one_shard = CONTEXT.layout(ShardPlan(0, samples[:2])).total_bytes
     store.staging = StagingArea(store.directory, limit=one_shard)  # room for one shard only
     with StopFlag() as stop:
-        inputs = iter(BackendFeed(iter(samples), planner, writer, store.staging, stop))
-        assert [next(inputs).sample_id, next(inputs).sample_id] == ["s0", "s1"]  # type: ignore[union-attr]
+        inputs = iter(BackendFeed(iter(samples), planner, CONTEXT, store.staging, stop))
+        first = next(inputs)
+        assert first is not None and [first.sample_id, next(inputs).sample_id] == ["s0", "s1"]  # type: ignore[union-attr]
         assert next(inputs) is None  # the second shard waits for space: "nothing new yet"
         assert next(inputs) is None
-        freed = threading.Timer(0.1, writer.abandon_open)  # the first shard goes: space frees up
+        # the first shard is committed (or dropped): its space frees up
+        freed = threading.Timer(0.1, first.destination.shard.staged.discard)
         freed.start()
         item = next(inputs)
         while item is None:
@@ -91,5 +98,5 @@ def test_the_feed_yields_none_while_staging_is_full_and_stops_on_request(tmp_pat
         freed.join()
         stop.request("test")
         assert next(inputs).sample_id == "s3"  # type: ignore[union-attr]  # the open shard's samples still come
-        assert list(inputs) == []  # then nothing more: the third shard is never opened
+        assert list(inputs) == []  # then nothing more: the third shard is never reserved
     store.close()

@@ -17,12 +17,20 @@ import pytest
 import torch
 from awscrt.checksums import crc64nvme
 
-from job.checksum import combine_pieces, crc64nvme_bytes, crc64nvme_file
+from job.backends import HiddenChunk
+from job.checksum import crc64nvme_bytes, crc64nvme_file
 from job.data.encode import EncodedSample
 from job.hidden_dtype import hidden_dtype
 from job.shards import open_shard
-from job.shards.planner import ShardPlan
-from job.shards.writer import FinishedShard, ShardContext, ShardWriter, _filesystem_type
+from job.shards.format import ShardContext, ShardPlan
+from job.shards.writer import (
+    FinishedShard,
+    ReservedShard,
+    ShardSlot,
+    ShardWriter,
+    _filesystem_type,
+    combined_checksum,
+)
 from job.storage.staging import StagingArea
 from job.worker.ring import Ring, header_bytes
 
@@ -36,9 +44,12 @@ CONTEXT = ShardContext(
 )
 
 
-def _open(directory: Path, plan: ShardPlan, writer: ShardWriter) -> None:
-    """Stage ``plan``'s shard in ``directory`` and open it, as the runner's feed does."""
-    assert writer.open(plan, StagingArea(directory, limit=None))
+def _reserve(directory: Path, plan: ShardPlan) -> ReservedShard:
+    """Reserve ``plan``'s shard in ``directory``, as the runner's feed does."""
+    layout = CONTEXT.layout(plan)
+    staged = StagingArea(directory, limit=None).reserve(plan.name, layout.total_bytes)
+    assert staged is not None
+    return ReservedShard(plan, layout, staged)
 
 
 def _samples() -> list[EncodedSample]:
@@ -76,22 +87,27 @@ def _write(
 ) -> tuple[FinishedShard, list[EncodedSample]]:
     samples = _samples()
     finished: list[FinishedShard] = []
-    writer = ShardWriter(CONTEXT, finished.append, direct_io=direct_io)
-    plan = ShardPlan(0, samples)
-    _open(directory, plan, writer)
+    writer = ShardWriter(CONTEXT, finished.append, direct_io=direct_io, threads=4)
+    shard = _reserve(directory, ShardPlan(0, samples))
     # Samples interleaved chunk by chunk, as rows of several requests arrive per step.
+    slots = {s.sample_id: ShardSlot(shard, i) for i, s in enumerate(samples)}
     lengths = {s.sample_id: s.num_tokens for s in samples}
     position = dict.fromkeys(lengths, 0)
     while position:
         for sample_id in list(position):
             start = position[sample_id]
             stop = min(start + chunk, lengths[sample_id])
-            writer.write_rows(sample_id, start, rows[start:stop].view(torch.uint8).numpy().data)
-            if stop == lengths[sample_id]:
+            last = stop == lengths[sample_id]
+            writer(
+                HiddenChunk(
+                    sample_id, start, rows[start:stop], None, last, False, destination=slots[sample_id]
+                )
+            )
+            if last:
                 del position[sample_id]
-                writer.finish_sample(sample_id)
             else:
                 position[sample_id] = stop
+    writer.close()
     assert len(finished) == 1
     return finished[0], samples
 
@@ -164,27 +180,26 @@ def test_rows_from_a_capture_ring_slot_go_to_disk_with_direct_io(
 def test_the_checksum_refuses_pieces_that_do_not_tile_the_file() -> None:
     data = os.urandom(100)
     pieces = [(0, 40, crc64nvme(data[:40])), (40, 60, crc64nvme(data[40:]))]
-    assert combine_pieces(pieces, 100, "x") == crc64nvme_bytes(data)
+    assert combined_checksum(pieces, 100, "x") == crc64nvme_bytes(data)
     with pytest.raises(ValueError, match=r"x: bytes 40\.\.50 written twice or never"):
-        combine_pieces([pieces[0], (50, 50, crc64nvme(data[50:]))], 100, "x")
+        combined_checksum([pieces[0], (50, 50, crc64nvme(data[50:]))], 100, "x")
     with pytest.raises(ValueError, match=r"x: bytes 40\.\.100 never written"):
-        combine_pieces(pieces[:1], 100, "x")
+        combined_checksum(pieces[:1], 100, "x")
 
 
 def test_page_aligned_memory_of_an_odd_length_is_not_written_directly(tmp_path: Path) -> None:
     """Direct I/O needs address, offset and length aligned: a page-aligned buffer
     of an odd size (a header, ids) must take the mapping, not fail with EINVAL."""
-    samples = _samples()[:1]
-    writer = ShardWriter(CONTEXT, lambda _finished: None, direct_io=True)
-    plan = ShardPlan(0, samples)
-    _open(tmp_path, plan, writer)
-    shard = writer._open[0]
+    writer = ShardWriter(CONTEXT, lambda _finished: None, direct_io=True, threads=1)
+    reserved = _reserve(tmp_path, ShardPlan(0, _samples()[:1]))
+    shard = writer._shard(reserved)
     odd = mmap.mmap(-1, 4096)
     odd[:100] = os.urandom(100)
     shard.put(0, memoryview(odd)[:100])  # would raise EINVAL through O_DIRECT
     assert shard.direct_bytes == 0
     assert bytes(shard.data[:100]) == odd[:100]
-    writer.abandon_open()
+    writer.close_open()
+    reserved.staged.discard()
 
 
 def test_only_hidden_state_rows_take_direct_io(tmp_path: Path) -> None:
@@ -193,9 +208,9 @@ def test_only_hidden_state_rows_take_direct_io(tmp_path: Path) -> None:
     (a full .ci/run found 4096 more than the rows, in four tests at once)."""
     if not _supports_direct_io(tmp_path):
         pytest.skip(f"{_filesystem_type(str(tmp_path))} at {tmp_path} has no direct I/O")
-    writer = ShardWriter(CONTEXT, lambda _finished: None, direct_io=True)
-    _open(tmp_path, ShardPlan(0, _samples()[:1]), writer)
-    shard = writer._open[0]
+    writer = ShardWriter(CONTEXT, lambda _finished: None, direct_io=True, threads=1)
+    reserved = _reserve(tmp_path, ShardPlan(0, _samples()[:1]))
+    shard = writer._shard(reserved)
     page = mmap.mmap(-1, 4096)  # aligned in memory, at an aligned offset, of an aligned length
     page[:] = os.urandom(4096)
     shard.put(0, memoryview(page))  # where the header goes
@@ -203,7 +218,8 @@ def test_only_hidden_state_rows_take_direct_io(tmp_path: Path) -> None:
     assert bytes(shard.data[:4096]) == page[:]
     shard.put(shard.layout.offsets["hidden_states"], memoryview(page), rows=True)
     assert shard.direct_bytes == 4096
-    writer.abandon_open()
+    writer.close_open()
+    reserved.staged.discard()
 
 
 def test_transient_staging_keeps_rows_in_the_page_cache(tmp_path: Path) -> None:

@@ -26,6 +26,9 @@ from job.settings import JobSettings
 class BackendInput:
     sample_id: str  # unique per run; results refer to it, never to positions
     input_ids: np.ndarray  # int32 [T]
+    # where the caller wants the rows (the job: a job.shards.writer.ShardSlot); opaque to the
+    # backend, which hands it back on every HiddenChunk of this input
+    destination: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +61,7 @@ class HiddenChunk:
     last: bool  # the sample is complete with this chunk
     nonfinite: bool  # NaN/Inf seen in these rows
     release: Callable[[], None] | None = None  # frees the backend's buffer once written
+    destination: Any = None  # the BackendInput's, handed back
 
 
 class Backend(ABC):

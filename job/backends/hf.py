@@ -90,6 +90,7 @@ class HFBackend(Backend):
                 None if scales is None else scales.cpu().contiguous(),
                 last=True,
                 nonfinite=nonfinite,
+                destination=item.destination,
             )
 
     def _generate(self, item: GenerationInput) -> Completion:

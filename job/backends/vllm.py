@@ -43,6 +43,7 @@ STEPS_IN_FLIGHT = 2
 @dataclass
 class _Pending:
     input_ids: np.ndarray
+    destination: Any
     received: int = 0
 
 
@@ -310,7 +311,7 @@ class VllmBackend(Backend):
         """Add one request to the scheduler; returns its prompt tokens."""
         if isinstance(item, BackendInput):
             request_id, prompt, params = item.sample_id, item.input_ids, self.sampling_params
-            pending[item.sample_id] = _Pending(item.input_ids)
+            pending[item.sample_id] = _Pending(item.input_ids, item.destination)
         else:
             request_id, prompt = GENERATION_PREFIX + item.request_id, item.prompt_ids
             params = generation_sampling_params(item)
@@ -444,6 +445,7 @@ class VllmBackend(Backend):
             last=last,
             nonfinite=not bool(slot.finite.numpy()[a:b].all()),
             release=lambda: releases.release(step),
+            destination=state.destination,
         )
 
     @property

@@ -16,16 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import torch
 
+from job.backends import HiddenChunk
 from job.checksum import ALGORITHM, crc64nvme_file
 from job.data import exact_json
 from job.data.encode import EncodedSample
 from job.generate.stage import generation_counts
 from job.layout import PARTIAL, regenerated_name
 from job.manifest import Checksum, Manifest, Regenerated, ShardEntry
-from job.shards.planner import ShardPlan
-from job.shards.writer import FinishedShard, ShardContext, ShardWriter
+from job.shards.format import ShardContext, ShardPlan
+from job.shards.writer import FinishedShard, ReservedShard, ShardSlot, ShardWriter
 from job.storage.base import IndexStore
 from job.storage.staging import StagedShard, StagingArea
 
@@ -168,24 +168,31 @@ def _repack(
     np.cumsum([s.num_tokens for s in plan.samples], out=old_offsets[1:])
     position = {s.sample_id: i for i, s in enumerate(plan.samples)}
     repacked = ShardPlan(plan.number, kept)
-    finished: list[FinishedShard] = []
-    writer = ShardWriter(context, finished.append, direct_io=direct_io)
+    layout = context.layout(repacked)
     # Beside the original, outside any budget: the original's reservation covers the larger file.
-    writer.open(repacked, StagingArea(staged.path.parent, limit=None), name=staged.name + ".repack")
+    space = StagingArea(staged.path.parent, limit=None).reserve(staged.name + ".repack", layout.total_bytes)
+    assert space is not None, "an unlimited staging area always has room"
+    shard = ReservedShard(repacked, layout, space)
+    finished: list[FinishedShard] = []
+    writer = ShardWriter(context, finished.append, direct_io=direct_io, threads=1)
     with safe_open(str(staged.path), framework="pt") as src:
         hidden = src.get_slice("hidden_states")
         scales = src.get_slice("hidden_states_scale") if "hidden_states_scale" in src.keys() else None  # noqa: SIM118
-        for sample in kept:
+        for new_position, sample in enumerate(kept):
             i = position[sample.sample_id]
             a, b = int(old_offsets[i]), int(old_offsets[i + 1])
-            rows = hidden[a:b].contiguous()
-            writer.write_rows(
-                sample.sample_id,
-                0,
-                rows.view(torch.uint8).numpy().data,
-                None if scales is None else scales[a:b].contiguous().numpy().tobytes(),
+            writer(
+                HiddenChunk(
+                    sample.sample_id,
+                    0,
+                    hidden[a:b].contiguous(),
+                    None if scales is None else scales[a:b].contiguous(),
+                    last=True,
+                    nonfinite=False,
+                    destination=ShardSlot(shard, new_position),
+                )
             )
-            writer.finish_sample(sample.sample_id)
+        writer.close()
     assert finished, "repacked shard did not complete"
     os.replace(finished[0].staged.path, staged.path)
     return finished[0].checksum

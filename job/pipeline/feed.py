@@ -1,9 +1,12 @@
-"""Accepted samples -> shard plans -> staged, opened shards -> backend inputs.
+"""Accepted samples -> shard plans -> reserved shards -> backend inputs.
 
-A shard is opened (its staging space reserved, its file created) before any of its
-samples reaches the backend, so every row the backend returns has a place to go. With
-regeneration (generate.mode), conversations first become generation requests; the samples
-they turn into are planned as they finish (job.generate.stage).
+Samples are grouped, in input order, into shards of about ``output.shard_bytes``: token counts
+are known once a sample is tokenized, so a shard's members, and therefore its whole safetensors
+header, are fixed before the backend sees them. A shard's staging space is reserved (its file
+created at its final size) before any of its samples reaches the backend, and each sample goes
+to the backend with its place in that shard (``ShardSlot``), so every row the backend returns
+has a place to go. With regeneration (generate.mode), conversations first become generation
+requests; the samples they turn into are planned as they finish (job.generate.stage).
 """
 
 from __future__ import annotations
@@ -14,32 +17,66 @@ from job.backends import BackendInput, GenerationInput
 from job.data.encode import EncodedSample, GenerationStart, RejectedSample
 from job.generate.stage import Regenerator
 from job.pipeline.stop import StopFlag
-from job.shards.planner import ShardPlan, ShardPlanner
-from job.shards.writer import ShardWriter
+from job.shards.format import ShardContext, ShardPlan
+from job.shards.writer import ReservedShard, ShardSlot
 from job.storage.staging import StagingArea
 
 STAGING_POLL_S = 0.05
 
 
+class ShardPlanner:
+    """A shard closes when the next sample would push it past ``shard_bytes`` (a sample larger
+    than that gets a shard of its own); numbers count up from ``first_number``."""
+
+    def __init__(self, shard_bytes: int, bytes_per_token: int, first_number: int) -> None:
+        self.shard_bytes = shard_bytes
+        self.bytes_per_token = bytes_per_token
+        self.next_number = first_number
+        self._pending: list[EncodedSample] = []
+        self._pending_bytes = 0
+
+    def add(self, sample: EncodedSample) -> Iterator[ShardPlan]:
+        """The shards ``sample`` completes (none, one, or two when it does not fit the open one)."""
+        size = sample.num_tokens * self.bytes_per_token
+        if self._pending and self._pending_bytes + size > self.shard_bytes:
+            yield self._emit()
+        self._pending.append(sample)
+        self._pending_bytes += size
+        if self._pending_bytes >= self.shard_bytes:
+            yield self._emit()
+
+    def flush(self) -> Iterator[ShardPlan]:
+        """The last, partly filled shard (at the end of the input)."""
+        if self._pending:
+            yield self._emit()
+
+    def _emit(self) -> ShardPlan:
+        plan = ShardPlan(self.next_number, self._pending)
+        self.next_number += 1
+        self._pending, self._pending_bytes = [], 0
+        return plan
+
+
 class BackendFeed:
-    """The backend's input stream; it ends early, leaving any partly planned shard unopened, once
-    ``stop`` is set. While staging is full, or while only generation is under way, it yields
-    None ("nothing new yet") instead of blocking: the backend holds work that must go on first.
-    Counts what it planned, for progress."""
+    """The backend's input stream; it ends early, leaving any partly planned shard unreserved,
+    once ``stop`` is set. While staging is full, or while only generation is under way, it
+    yields None ("nothing new yet") instead of blocking: the backend holds work that must go on
+    first. Counts what it planned, for progress."""
 
     def __init__(
         self,
         samples: Iterator[EncodedSample | GenerationStart],
         planner: ShardPlanner,
-        writer: ShardWriter,
+        context: ShardContext,
         staging: StagingArea,
         stop: StopFlag,
         regenerator: Regenerator | None = None,
         reject: Callable[[str, str], None] | None = None,
     ) -> None:
-        self._samples, self._planner, self._writer = samples, planner, writer
+        self._samples, self._planner, self._context = samples, planner, context
         self._staging, self._stop = staging, stop
         self._regenerator, self._reject = regenerator, reject
+        self._reserved: list[ReservedShard] = []  # reserved and not yet given back
         self.planned_tokens = 0
         self.all_planned = False  # the input ran out (not a stop): planned_tokens is the total
 
@@ -88,8 +125,21 @@ class BackendFeed:
         for plan in self._planner.add(sample):
             yield from self._start(plan)
 
+    def abandon(self) -> list[ShardPlan]:
+        """Give back the staging space of every reserved shard not committed (its file is
+        deleted; its samples are redone by a later run); returns their plans. Call it once
+        nothing writes or commits any more."""
+        left = [r for r in self._reserved if not r.staged.released]
+        for reserved in left:
+            reserved.staged.discard()
+        self._reserved = []
+        return [r.plan for r in left]
+
     def _start(self, plan: ShardPlan) -> Iterator[BackendInput | None]:
-        while not self._writer.open(plan, self._staging, STAGING_POLL_S):
+        layout = self._context.layout(plan)
+        while (staged := self._staging.reserve(plan.name, layout.total_bytes, STAGING_POLL_S)) is None:
             yield None
-        for sample in plan.samples:
-            yield BackendInput(sample.sample_id, sample.input_ids)
+        shard = ReservedShard(plan, layout, staged)
+        self._reserved = [r for r in self._reserved if not r.staged.released] + [shard]
+        for position, sample in enumerate(plan.samples):
+            yield BackendInput(sample.sample_id, sample.input_ids, ShardSlot(shard, position))

@@ -1,7 +1,7 @@
 """``python -m job run``: one work index, in five phases.
 
-resume (what the manifest holds) -> wire (tokenizer stream, backend, shard writer,
-committer) -> extract (backend chunks routed into shards) -> commit (every finished
+resume (what the manifest holds) -> wire (tokenizer stream, backend, feed, committer,
+shard writer) -> extract (backend chunks written into their shards) -> commit (every finished
 shard listed; a stop signal ends the run here, consistent) -> finish (accounting,
 rejected.jsonl, the final manifest, totals). Clean-up runs in reverse order of set-up
 whatever happens (job.pipeline.cleanup: a failing step never replaces the run's own error),
@@ -24,16 +24,15 @@ from job.layout import REJECTED, log_name
 from job.logs import get_logger, log_file
 from job.pipeline.cleanup import Cleanup
 from job.pipeline.commit import Committer
-from job.pipeline.feed import BackendFeed
+from job.pipeline.feed import BackendFeed, ShardPlanner
 from job.pipeline.rejections import Rejections, SampleWarnings
 from job.pipeline.resume import Resumed, resume
-from job.pipeline.routing import ChunkRouter
 from job.pipeline.setup import RunSetup, new_run_id, prepare_run
 from job.pipeline.stop import StopFlag, exit_on_stop_signal
 from job.progress import Progress, Snapshot
 from job.settings import JobSettings, settings_dump
-from job.shards.planner import ShardPlanner
-from job.shards.writer import ShardContext, ShardWriter
+from job.shards.format import ShardContext
+from job.shards.writer import ShardWriter
 from job.storage import open_index_store
 from job.storage.base import IndexStore
 
@@ -61,7 +60,6 @@ class _Wiring:
     backend: Backend
     inputs: BackendFeed
     writer: ShardWriter
-    router: ChunkRouter
     committer: Committer
     rejections: Rejections
     warnings: SampleWarnings
@@ -155,6 +153,19 @@ class IndexRun:
             setup.dtype,
             setup.shard_metadata(backend.info, self.run_id),
         )
+        planner = ShardPlanner(
+            int(settings.output.shard_bytes), setup.bytes_per_token, self.resumed.next_shard_number
+        )
+        inputs = BackendFeed(
+            stream.accepted(rejections.add, warnings.add),
+            planner,
+            context,
+            self.store.staging,
+            self.stop,
+            regenerator,
+            rejections.add,
+        )
+        cleanup.callback(inputs.abandon)  # last: what the committer did not take
         uploads = 1 if self.store.staging_is_output else settings.output.parallel_uploads
         committer = Committer(
             self.store,
@@ -168,26 +179,18 @@ class IndexRun:
         )
         cleanup.callback(self._close_committer_if_failed, committer)
         committer.write_manifest()
-        writer = ShardWriter(context, committer.submit, direct_io=self.store.staging_is_output)
-        cleanup.callback(writer.abandon_open)
-        router = ChunkRouter(writer, settings.output.writer_threads)
-        cleanup.callback(router.close, raise_error=False)
-        planner = ShardPlanner(
-            int(settings.output.shard_bytes), setup.bytes_per_token, self.resumed.next_shard_number
+        writer = ShardWriter(
+            context,
+            committer.submit,
+            direct_io=self.store.staging_is_output,
+            threads=settings.output.writer_threads,
         )
-        inputs = BackendFeed(
-            stream.accepted(rejections.add, warnings.add),
-            planner,
-            writer,
-            self.store.staging,
-            self.stop,
-            regenerator,
-            rejections.add,
-        )
+        cleanup.callback(writer.close_open)
+        cleanup.callback(writer.close, raise_error=False)
         progress = Progress(self.log, settings.log.progress_interval_s)
         cleanup.callback(progress.close)
         return _Wiring(
-            stream, backend, inputs, writer, router, committer, rejections, warnings, progress, regenerator
+            stream, backend, inputs, writer, committer, rejections, warnings, progress, regenerator
         )
 
     def _start_tokenization(self) -> EncodedStream:
@@ -274,11 +277,11 @@ class IndexRun:
                 assert w.regenerator is not None
                 w.regenerator.complete(item)
             else:
-                w.router(item)
+                w.writer(item)
             w.progress.maybe_report(
                 Snapshot(
-                    extracted_tokens=w.router.tokens,
-                    extracted_samples=w.router.samples,
+                    extracted_tokens=w.writer.tokens,
+                    extracted_samples=w.writer.samples,
                     planned_tokens=w.inputs.planned_tokens,
                     input_fraction=min(w.stream.stats.bytes_done / input_bytes, 1.0),
                     all_planned=w.inputs.all_planned,
@@ -287,7 +290,7 @@ class IndexRun:
                     generated_tokens=0 if w.regenerator is None else w.regenerator.generated_tokens,
                 )
             )
-            for error in (w.router.error, w.committer.error):
+            for error in (w.writer.error, w.committer.error):
                 if error is not None:
                     raise error
         return time.monotonic()
@@ -296,13 +299,14 @@ class IndexRun:
         """List every finished shard; returns when the last row was written and when the last
         shard was committed (monotonic). After a stop signal, the open shards are abandoned (their
         samples are redone by the next run) and the run ends here, consistent."""
-        w.router.close()
+        w.writer.close()
         rows_written = time.monotonic()
         if not self.stop.is_set():
             w.committer.close()
             return rows_written, time.monotonic()
-        abandoned = w.writer.abandon_open()
+        w.writer.close_open()
         w.committer.close()
+        abandoned = w.inputs.abandon()
         self.status = "terminated"
         self.log.warning(
             "run_stopped",
@@ -329,7 +333,7 @@ class IndexRun:
         w.committer.write_manifest(complete=True, rejected=w.rejections.count)
         self.status = "complete"
         now = time.monotonic()
-        elapsed, extract_seconds, tokens = now - self.started, now - clock.extract_started, w.router.tokens
+        elapsed, extract_seconds, tokens = now - self.started, now - clock.extract_started, w.writer.tokens
         totals = {
             "status": self.status,
             "written": manifest.counts.written,

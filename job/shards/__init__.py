@@ -1,5 +1,5 @@
-"""Shards: the pinned format (``format``), planning (``planner``), writing (``writer``) and
-reading (``reader``, re-exported here).
+"""Shards: the pinned format and what fixes a shard's layout (``format``), writing (``writer``)
+and reading (``reader``, re-exported here).
 
 >>> from job.shards import iter_output
 >>> for sample in iter_output("out"):           # every committed shard of every index

@@ -1,4 +1,5 @@
-"""The pinned shard format (format_version 1).
+"""The pinned shard format (format_version 1), and what fixes one shard's layout: its plan
+(number and members) and the run's context (``ShardContext.layout``).
 
 A shard is a safetensors file holding many samples, token-major:
 
@@ -35,9 +36,13 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from job.hidden_dtype import SCALE_BYTES, HiddenDtype
+from job.layout import shard_name
+
+if TYPE_CHECKING:
+    from job.data.encode import EncodedSample
 
 FORMAT_VERSION = "1"
 DATA_ALIGNMENT = 4096  # the tensor data (hidden_states first) starts on a block boundary
@@ -128,4 +133,46 @@ class ShardLayout:
             offsets={k: base + v for k, v in relative.items()},
             specs={s.name: s for s in specs},
             total_bytes=base + pos,
+        )
+
+
+@dataclass
+class ShardPlan:
+    """A shard's number and members, fixed before the backend sees them (job.pipeline.feed)."""
+
+    number: int
+    samples: list[EncodedSample]
+
+    @property
+    def name(self) -> str:
+        return shard_name(self.number)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.samples)
+
+
+@dataclass
+class ShardContext:
+    """Per-run values recorded in every shard's metadata."""
+
+    num_layers: int  # stored layers (L)
+    hidden_size: int
+    dtype: HiddenDtype
+    metadata: dict[str, str]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.num_layers * self.hidden_size * self.dtype.itemsize
+
+    def layout(self, plan: ShardPlan) -> ShardLayout:
+        """The byte layout of ``plan``'s shard file (``total_bytes`` is its exact size)."""
+        metadata = dict(self.metadata)
+        metadata.update(
+            format_version=FORMAT_VERSION,
+            sample_ids=json.dumps([s.sample_id for s in plan.samples], ensure_ascii=False),
+            num_truncated=str(sum(s.truncated for s in plan.samples)),
+        )
+        return ShardLayout.build(
+            len(plan.samples), plan.num_tokens, self.num_layers, self.hidden_size, self.dtype, metadata
         )

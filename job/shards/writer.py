@@ -1,9 +1,17 @@
-"""Fill planned shards as hidden states arrive.
+"""Backend chunks -> rows in reserved shard files -> finished shards.
 
-A shard's members, and therefore its whole safetensors header, are fixed by its
-plan (``job.shards.planner``) before the backend sees them. Hidden-state rows are
-then written straight to their final offsets in whatever order (and from whichever
-thread) they arrive: no per-shard buffering in memory, no second copy.
+A shard's members, and therefore its whole safetensors header, are fixed by its plan, and its
+file reserved in staging, before the backend sees its samples (``job.pipeline.feed``). Each
+backend input carries its sample's place in that shard (``ShardSlot``), and every chunk of its
+rows brings it back: the writer needs no other record of where rows go. A shard's file is
+opened when its first rows arrive; rows are then written straight to their final offsets in
+whatever order they arrive: no per-shard buffering in memory, no second copy.
+
+Rows are written by a small thread pool, so the backend's loop never waits on the disk. A
+chunk larger than ``PIECE_BYTES`` is written as several pieces by as many threads: one step's
+rows for one long request would otherwise go through one thread, and the run's last step is
+then what the run waits for. A sample is finished once all its rows are written, and rejected
+if any row was non-finite; a shard is finished once all its samples are.
 
 How rows reach the file:
 
@@ -17,16 +25,15 @@ How rows reach the file:
   writer threads filling one shard would take turns; page faults on a
   mapping run in parallel.
 
-The shard's CRC64NVME is combined from per-write checksums of the source
-bytes, so committing never reads the shard back; combining also proves that
-every byte of the file was written exactly once.
+The shard's CRC64NVME is combined from per-write checksums of the source bytes, so committing
+never reads the shard back; combining also proves that every byte of the file was written
+exactly once (``combined_checksum``).
 """
 
 from __future__ import annotations
 
-import errno
 import functools
-import json
+import math
 import mmap
 import os
 import threading
@@ -37,29 +44,34 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-from awscrt.checksums import crc64nvme
+import torch
+from awscrt.checksums import combine_crc64nvme, crc64nvme
 
-from job.checksum import combine_pieces
-from job.errors import OutOfSpace
-from job.hidden_dtype import SCALE_BYTES, HiddenDtype
-from job.shards.format import DATA_ALIGNMENT, FORMAT_VERSION, ShardLayout
-from job.shards.planner import ShardPlan
-from job.storage.staging import StagedShard, StagingArea
+from job.backends import HiddenChunk
+from job.checksum import encode
+from job.hidden_dtype import SCALE_BYTES
+from job.shards.format import DATA_ALIGNMENT, ShardContext, ShardLayout, ShardPlan
+from job.storage.staging import StagedShard
 
-# Reserving a shard's blocks before anything is copied into its mapping turns "disk full"
-# into an error instead of SIGBUS on a page fault. It runs off the driver's thread (on tmpfs
-# it allocates every page: ~0.5 s per 2 GiB); row writes into the mapping wait for it.
-_ALLOCATOR = ThreadPoolExecutor(1, thread_name_prefix="shard-allocate")
+NONFINITE = "non-finite hidden states (NaN or Inf); not written"
 
 
-@dataclass
-class ShardContext:
-    """Per-run values recorded in every shard's metadata."""
+@dataclass(eq=False)
+class ReservedShard:
+    """A planned shard whose file is reserved in staging, ready for its rows."""
 
-    num_layers: int  # stored layers (L)
-    hidden_size: int
-    dtype: HiddenDtype
-    metadata: dict[str, str]
+    plan: ShardPlan
+    layout: ShardLayout
+    staged: StagedShard
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSlot:
+    """Where one sample's rows go: its shard and its position among the shard's samples. The
+    backend hands it back with every chunk of the sample (``HiddenChunk.destination``)."""
+
+    shard: ReservedShard
+    position: int
 
 
 @dataclass
@@ -76,13 +88,11 @@ class FinishedShard:
 
 @dataclass
 class _OpenShard:
-    plan: ShardPlan
-    staged: StagedShard
+    reserved: ReservedShard
     fd: int
     direct_fd: int | None  # O_DIRECT descriptor, where the filesystem and row size allow
     mapping: mmap.mmap
     data: np.ndarray  # uint8 view of ``mapping``
-    layout: ShardLayout
     row_offsets: np.ndarray
     row_bytes: int
     remaining: int  # samples not yet finished
@@ -91,18 +101,48 @@ class _OpenShard:
     direct_bytes: int = 0
     buffered_row_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
-    ready: Future = field(default_factory=Future)  # done once prepare() ran (its error, if it failed)
+    prepared: Future = field(default_factory=Future)  # done once prepare() ran (its error, if it failed)
+
+    @classmethod
+    def open(cls, reserved: ReservedShard, row_bytes: int, direct_io: bool) -> _OpenShard:
+        path, size = reserved.staged.path, reserved.layout.total_bytes
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            raise
+        samples = reserved.plan.samples
+        offsets = np.zeros(len(samples) + 1, np.int64)
+        np.cumsum([s.num_tokens for s in samples], out=offsets[1:])
+        direct_fd = _open_direct(path) if direct_io and row_bytes % DATA_ALIGNMENT == 0 else None
+        data = np.frombuffer(mapping, np.uint8)
+        return cls(reserved, fd, direct_fd, mapping, data, offsets, row_bytes, len(samples))
+
+    @property
+    def layout(self) -> ShardLayout:
+        return self.reserved.layout
+
+    def prepare(self) -> None:
+        """Write what the plan fixes (header, sample offsets, ids, masks), once the file's
+        blocks are claimed; ``prepared`` then holds the outcome."""
+        try:
+            samples, offsets = self.reserved.plan.samples, self.layout.offsets
+            ids = np.concatenate([s.input_ids for s in samples]).astype(np.int32, copy=False)
+            mask = np.concatenate([s.loss_mask for s in samples]).astype(np.uint8, copy=False)
+            self.put(0, np.frombuffer(self.layout.header, np.uint8))
+            self.put(offsets["sample_offsets"], self.row_offsets)
+            self.put(offsets["input_ids"], ids)
+            self.put(offsets["loss_mask"], mask)
+        except BaseException as exc:
+            self.prepared.set_exception(exc)
+            raise
+        self.prepared.set_result(None)
 
     def put(self, offset: int, values: np.ndarray | memoryview | bytes, rows: bool = False) -> None:
         """Write raw bytes at ``offset`` and record their checksum (``rows``: hidden-state rows). A
-        write into the mapping first waits until the file is ready (its blocks reserved): a page
-        fault on a full disk is a SIGBUS, which no handler survives, whereas the reservation fails
-        with an error."""
-        self._put(offset, values, wait=True, rows=rows)
-
-    def _put(
-        self, offset: int, values: np.ndarray | memoryview | bytes, wait: bool, rows: bool = False
-    ) -> None:
+        write into the mapping first waits until the file's blocks are claimed: a page fault on a
+        full disk is a SIGBUS, which no handler survives, whereas the claim fails with an error."""
         source = np.frombuffer(memoryview(values).cast("B"), np.uint8)
         # O_DIRECT needs the memory address, the file offset and the length block-aligned. Only
         # hidden-state rows take it: the header, ids, masks and scales are small, and whether their
@@ -115,8 +155,7 @@ class _OpenShard:
         if direct:  # a full disk fails the write itself with ENOSPC
             pwrite_all(self.direct_fd, source, offset)
         else:
-            if wait:
-                self.ready.result()
+            self.reserved.staged.allocated.result()
             self.data[offset : offset + source.size] = source  # numpy drops the GIL while copying
         crc = crc64nvme(source)
         with self.lock:
@@ -124,13 +163,6 @@ class _OpenShard:
             self.direct_bytes += source.size if direct else 0
             if rows and not direct and self.direct_fd is not None:
                 self.buffered_row_bytes += source.size
-
-    def prepare(self, first: list[tuple[int, np.ndarray]]) -> None:
-        """On the allocator's thread: reserve the file's blocks, then write ``first`` (offset,
-        bytes) pieces: header, ids and masks."""
-        _allocate(self.fd, self.layout.total_bytes, self.staged.path)
-        for offset, values in first:
-            self._put(offset, values, wait=False)
 
     def close(self) -> None:
         del self.data
@@ -140,145 +172,186 @@ class _OpenShard:
             os.close(self.direct_fd)
 
 
+class _Pieces:
+    """The pieces of one chunk still to write; its buffer is released after the last."""
+
+    def __init__(self, chunk: HiddenChunk, count: int) -> None:
+        self.chunk = chunk
+        self.left = count
+        self.lock = threading.Lock()
+
+    def done(self) -> None:
+        with self.lock:
+            self.left -= 1
+            last = self.left == 0
+        if last and self.chunk.release is not None:
+            self.chunk.release()
+
+
 class ShardWriter:
-    """Receives hidden-state rows by sample id and writes them in place."""
+    """Takes the backend's chunks (``writer(chunk)``, from one thread) and writes their rows in
+    place on ``threads`` threads; each finished shard goes to ``on_finished``."""
+
+    MAX_IN_FLIGHT = 256  # pieces handed to writer threads but not yet written
+    PIECE_BYTES = 16 * 2**20  # large sequential writes, yet a 16k-token step of an 8B is 32 pieces
 
     def __init__(
-        self, context: ShardContext, on_finished: Callable[[FinishedShard], None], *, direct_io: bool
+        self,
+        context: ShardContext,
+        on_finished: Callable[[FinishedShard], None],
+        *,
+        direct_io: bool,
+        threads: int,
     ) -> None:
         self.context = context
         self.direct_io = direct_io  # False: staging is transient, keep it in the page cache
         self._on_finished = on_finished
-        self._by_sample: dict[str, tuple[_OpenShard, int]] = {}
-        self._open: dict[int, _OpenShard] = {}
+        self._open: dict[int, _OpenShard] = {}  # by shard number
         self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="shard-writer")
+        self._slots = threading.BoundedSemaphore(self.MAX_IN_FLIGHT)
+        self._outstanding: dict[str, int] = {}  # sample id -> pieces not yet written
+        self._complete: set[str] = set()  # samples whose last chunk has arrived
+        self._bad: set[str] = set()
+        self.error: BaseException | None = None
+        self.tokens = 0  # rows taken
+        self.samples = 0  # samples whose last chunk was taken
 
-    @property
-    def row_bytes(self) -> int:
-        ctx = self.context
-        return ctx.num_layers * ctx.hidden_size * ctx.dtype.itemsize
-
-    def layout(self, plan: ShardPlan) -> ShardLayout:
-        """The byte layout of ``plan``'s shard file (``total_bytes`` is its exact size)."""
-        ctx = self.context
-        metadata = dict(ctx.metadata)
-        metadata.update(
-            format_version=FORMAT_VERSION,
-            sample_ids=json.dumps([s.sample_id for s in plan.samples], ensure_ascii=False),
-            num_truncated=str(sum(s.truncated for s in plan.samples)),
-        )
-        return ShardLayout.build(
-            len(plan.samples), plan.num_tokens, ctx.num_layers, ctx.hidden_size, ctx.dtype, metadata
-        )
-
-    def open(
-        self,
-        plan: ShardPlan,
-        staging: StagingArea,
-        timeout_s: float | None = None,
-        *,
-        name: str | None = None,
-    ) -> bool:
-        """Reserve ``plan``'s shard file in ``staging`` (as ``name``, by default the plan's), waiting
-        at most ``timeout_s`` for the space (False if it is not free by then), and create it: its
-        header, ids and masks now, rows as they come. The reservation then belongs to the shard,
-        released when it is committed or discarded (``StagedShard.discard``)."""
-        layout = self.layout(plan)
-        staged = staging.reserve(name or plan.name, layout.total_bytes, timeout_s)
-        if staged is None:
-            return False
-        offsets = np.zeros(len(plan.samples) + 1, np.int64)
-        np.cumsum([s.num_tokens for s in plan.samples], out=offsets[1:])
-        path = staged.path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, layout.total_bytes)
-            mapping = mmap.mmap(fd, layout.total_bytes, mmap.MAP_SHARED)
-        except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise
-        data = np.frombuffer(mapping, np.uint8)
-        direct_fd = _open_direct(path) if self.direct_io and self.row_bytes % DATA_ALIGNMENT == 0 else None
-        shard = _OpenShard(
-            plan,
-            staged,
-            fd,
-            direct_fd,
-            mapping,
-            data,
-            layout,
-            offsets,
-            self.row_bytes,
-            len(plan.samples),
-        )
-        ids = np.concatenate([s.input_ids for s in plan.samples]).astype(np.int32, copy=False)
-        mask = np.concatenate([s.loss_mask for s in plan.samples]).astype(np.uint8, copy=False)
-        # The header, ids and masks go in once the blocks are reserved, on the allocator's thread:
-        # opening a shard never waits for its reservation (~0.5 s per 2 GiB on tmpfs).
-        first = [(layout.offsets[n], v) for n, v in (("sample_offsets", offsets), ("input_ids", ids))]
-        first += [(layout.offsets["loss_mask"], mask), (0, np.frombuffer(layout.header, np.uint8))]
-        shard.ready = _ALLOCATOR.submit(shard.prepare, first)
+    def __call__(self, chunk: HiddenChunk) -> None:
+        """Queue one chunk for writing (blocks while MAX_IN_FLIGHT pieces wait)."""
+        sample_id, count = chunk.sample_id, int(chunk.rows.shape[0])
+        row_bytes = math.prod(chunk.rows.shape[1:]) * chunk.rows.element_size()
+        step = max(1, self.PIECE_BYTES // row_bytes)
+        starts = range(0, count, step) if count else range(1)
+        pieces = _Pieces(chunk, len(starts))
         with self._lock:
-            self._open[plan.number] = shard
-            for pos, sample in enumerate(plan.samples):
-                self._by_sample[sample.sample_id] = (shard, pos)
-        return True
+            self._outstanding[sample_id] = self._outstanding.get(sample_id, 0) + len(starts)
+            if chunk.nonfinite:
+                self._bad.add(sample_id)
+            if chunk.last:
+                self._complete.add(sample_id)
+        self.tokens += count
+        self.samples += chunk.last
+        for first in starts:
+            self._slots.acquire()
+            self._pool.submit(self._write, pieces, first, min(first + step, count))
 
-    def write_rows(
-        self, sample_id: str, start: int, rows: memoryview | bytes, scales: bytes | None = None
+    def close(self, raise_error: bool = True) -> None:
+        """Wait for every queued piece; raise the first write error."""
+        self._pool.shutdown(wait=True)
+        if raise_error and self.error is not None:
+            raise self.error
+
+    def close_open(self) -> None:
+        """Close the files of shards still being filled (after ``close``). Their samples are redone
+        by a later run; their staging space goes back with the feed's (``BackendFeed.abandon``)."""
+        with self._lock:
+            shards = list(self._open.values())
+            self._open.clear()
+        for shard in shards:
+            shard.prepared.exception()  # wait; its error no longer matters
+            shard.close()
+
+    def _write(self, pieces: _Pieces, first: int, stop: int) -> None:
+        chunk = pieces.chunk
+        sample_id = chunk.sample_id
+        try:
+            if self.error is None:
+                self._write_rows(
+                    chunk.destination,
+                    chunk.start + first,
+                    chunk.rows[first:stop].view(torch.uint8).numpy().data,
+                    None if chunk.scales is None else chunk.scales[first:stop].numpy().tobytes(),
+                )
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            pieces.done()
+            self._slots.release()
+        with self._lock:
+            self._outstanding[sample_id] -= 1
+            finished = self._outstanding[sample_id] == 0 and sample_id in self._complete
+            if finished:
+                del self._outstanding[sample_id]
+                self._complete.discard(sample_id)
+                failed = sample_id in self._bad
+                self._bad.discard(sample_id)
+        if finished and self.error is None:
+            try:
+                self._finish_sample(chunk.destination, NONFINITE if failed else None)
+            except BaseException as exc:
+                self.error = exc
+
+    def _shard(self, reserved: ReservedShard) -> _OpenShard:
+        """``reserved``'s open file: opened by the first rows that reach it, which also write what
+        its plan fixes (the other writers' rows do not wait for that)."""
+        with self._lock:
+            shard = self._open.get(reserved.plan.number)
+            opening = shard is None
+            if shard is None:
+                shard = self._open[reserved.plan.number] = _OpenShard.open(
+                    reserved, self.context.row_bytes, self.direct_io
+                )
+        if opening:
+            shard.prepare()
+        return shard
+
+    def _write_rows(
+        self, slot: ShardSlot, start: int, rows: memoryview | bytes, scales: bytes | None = None
     ) -> None:
         """Write hidden-state rows ``start..`` of a sample (raw stored-dtype bytes)."""
-        shard, pos = self._by_sample[sample_id]
-        first_row = int(shard.row_offsets[pos]) + start
+        shard = self._shard(slot.shard)
+        sample = slot.shard.plan.samples[slot.position]
+        first_row = int(shard.row_offsets[slot.position]) + start
         count = memoryview(rows).nbytes // shard.row_bytes
-        if start + count > shard.plan.samples[pos].num_tokens:
-            raise ValueError(f"rows {start}..{start + count} exceed sample {sample_id}")
+        if start + count > sample.num_tokens:
+            raise ValueError(f"rows {start}..{start + count} exceed sample {sample.sample_id}")
         shard.put(shard.layout.offsets["hidden_states"] + first_row * shard.row_bytes, rows, rows=True)
         if scales is not None:
             scale_row = self.context.num_layers * SCALE_BYTES
             shard.put(shard.layout.offsets["hidden_states_scale"] + first_row * scale_row, scales)
 
-    def finish_sample(self, sample_id: str, failure: str | None = None) -> None:
+    def _finish_sample(self, slot: ShardSlot, failure: str | None) -> None:
         """All rows of a sample are written (or it failed with ``failure``)."""
-        with self._lock:
-            shard, _pos = self._by_sample.pop(sample_id)
+        shard = self._shard(slot.shard)
         with shard.lock:
             if failure is not None:
-                shard.failed[sample_id] = failure
+                shard.failed[slot.shard.plan.samples[slot.position].sample_id] = failure
             shard.remaining -= 1
             done = shard.remaining == 0
-        if done:
-            with self._lock:
-                del self._open[shard.plan.number]
-            try:
-                shard.ready.result()
-            finally:
-                shard.close()
-            checksum = combine_pieces(shard.pieces, shard.layout.total_bytes, shard.staged.path.name)
-            self._on_finished(
-                FinishedShard(
-                    shard.plan,
-                    shard.staged,
-                    shard.failed,
-                    checksum,
-                    shard.direct_bytes,
-                    shard.buffered_row_bytes,
-                )
-            )
-
-    def abandon_open(self) -> list[ShardPlan]:
-        """Drop every unfinished shard and its staging space (its samples will be redone by a
-        later run)."""
+        if not done:
+            return
         with self._lock:
-            shards = list(self._open.values())
-            self._open.clear()
-            self._by_sample.clear()
-        for shard in shards:
-            shard.ready.exception()  # wait; its error no longer matters
+            del self._open[slot.shard.plan.number]
+        try:
+            shard.prepared.result()
+        finally:
             shard.close()
-            shard.staged.discard()
-        return [s.plan for s in shards]
+        staged = slot.shard.staged
+        self._on_finished(
+            FinishedShard(
+                slot.shard.plan,
+                staged,
+                shard.failed,
+                combined_checksum(shard.pieces, shard.layout.total_bytes, staged.path.name),
+                shard.direct_bytes,
+                shard.buffered_row_bytes,
+            )
+        )
+
+
+def combined_checksum(pieces: list[tuple[int, int, int]], total: int, name: str) -> str:
+    """The checksum of a ``total``-byte file from the checksums of the pieces it was written in,
+    ``(offset, length, crc)``; the pieces must tile it exactly."""
+    crc = end = 0
+    for offset, length, piece in sorted(pieces):
+        if offset != end:
+            raise ValueError(f"{name}: bytes {min(offset, end)}..{max(offset, end)} written twice or never")
+        crc = combine_crc64nvme(crc, piece, length)
+        end += length
+    if end != total:
+        raise ValueError(f"{name}: bytes {end}..{total} never written")
+    return encode(crc)
 
 
 def _open_direct(path: Path) -> int | None:
@@ -314,16 +387,3 @@ def pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
         n = os.pwrite(fd, view, offset)
         view = view[n:]
         offset += n
-
-
-def _allocate(fd: int, size: int, path: Path) -> None:
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise OutOfSpace(
-                f"no space left for shard {path.name} ({size:,} bytes) in {path.parent}: committed shards "
-                "are kept; free space there (or lower output.shard_bytes / output.max_staged_bytes) and rerun"
-            ) from None
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # filesystems without fallocate
-            raise
