@@ -288,7 +288,7 @@ class ShardWriter:
         with self._lock:
             shard = self._open.get(reserved.plan.number)
             opening = shard is None
-            if shard is None:
+            if opening:
                 shard = self._open[reserved.plan.number] = _OpenShard.open(
                     reserved, self.context.row_bytes, self.direct_io
                 )
@@ -313,7 +313,8 @@ class ShardWriter:
 
     def _finish_sample(self, slot: ShardSlot, failure: str | None) -> None:
         """All rows of a sample are written (or it failed with ``failure``)."""
-        shard = self._shard(slot.shard)
+        with self._lock:
+            shard = self._open[slot.shard.plan.number]  # opened by the sample's rows
         with shard.lock:
             if failure is not None:
                 shard.failed[slot.shard.plan.samples[slot.position].sample_id] = failure
