@@ -14,11 +14,12 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import structlog
 
-from job.settings import LogSettings
+if TYPE_CHECKING:
+    from job.settings import LogSettings
 
 # Values of these variables never appear in logs, whatever logged them.
 SECRET_ENV_VARS = (

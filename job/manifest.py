@@ -55,6 +55,21 @@ class Regenerated(StoredFile):
     counts: GenerationCounts
 
 
+class RangeChecksums(BaseModel):
+    """Checksums of the parts of a shard a reader fetches on its own (ranged GETs, one sample of a
+    memory map), so that every byte it hands out is checked without reading the whole shard.
+
+    ``layout``: the safetensors header (its 8-byte length prefix included) followed by the
+    ``sample_offsets`` tensor. ``samples[i]``: sample i's bytes in file order, its
+    ``hidden_states`` rows, its ``hidden_states_scale`` rows (FP8 only), its ``input_ids``, its
+    ``loss_mask``. Combined by the writer from the checksums of its own writes (no read-back).
+    Absent from manifests written before it existed: such shards are verified whole."""
+
+    algorithm: str
+    layout: str
+    samples: list[str]
+
+
 class ShardEntry(StoredFile):
     described_as: ClassVar[str] = "shard"
 
@@ -63,6 +78,7 @@ class ShardEntry(StoredFile):
     sample_ids: list[str]
     num_truncated: int = 0
     regenerated: Regenerated | None = None  # generate.mode other than keep
+    ranges: RangeChecksums | None = None  # None in manifests written before per-range checksums
 
 
 class Counts(BaseModel):

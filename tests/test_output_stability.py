@@ -12,7 +12,9 @@ data.reasoning_in_loss (shard data bytes unchanged; headers and manifest equal t
 recorded ones with the old fingerprint put back). Updated again for regeneration: the manifest
 gained `generation` (run totals), `identity.generation` and each shard entry's `regenerated`,
 all null for a run that keeps the data's turns (shard bytes unchanged; the manifest equal to
-the recorded one with those three keys removed).
+the recorded one with those three keys removed). Updated again for per-range checksums: each shard
+entry gained `ranges` (shard bytes unchanged; the manifest equal to the recorded one without it;
+its `layout` checksum covers the header's run id, so it is checked against the file and set aside).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import pytest
 import torch
 
 from job.backends import Backend, BackendInput, HiddenChunk
-from job.checksum import crc64nvme_file
+from job.checksum import crc64nvme_bytes, crc64nvme_file
 from job.hidden_dtype import HiddenDtype, hidden_dtype
 from job.pipeline.runner import run_job
 from job.settings import load_settings
@@ -44,7 +46,7 @@ RUN_SPECIFIC = {"run_id", "model_path", "model_name", "run_ids", "updated_at"}
 EXPECTED = {
     "model": {
         "files": {
-            "manifest.json": "6beb38e934e0ee6e",
+            "manifest.json": "5ff82a1350e97d26",
             "rejected.jsonl": "f177ff369ede098e",
             "shard-00000.safetensors": {"header": "63edcdd142020a68", "data": "4f95e9afa0e82ff4"},
             "shard-00001.safetensors": {"header": "c2a443bfa5ca4d68", "data": "2c88e998bf422fb1"},
@@ -54,7 +56,7 @@ EXPECTED = {
     },
     "fp8_e4m3": {
         "files": {
-            "manifest.json": "4f8375829436e323",
+            "manifest.json": "cdccf19d527a597c",
             "rejected.jsonl": "f177ff369ede098e",
             "shard-00000.safetensors": {"header": "7692a78568c8858c", "data": "542adbf290ccc89c"},
             "shard-00001.safetensors": {"header": "b2797e280c33f0b6", "data": "54aa97a23462070e"},
@@ -163,6 +165,14 @@ def _shard_digests(path: Path) -> dict[str, str]:
     }
 
 
+def _layout_checksum(path: Path) -> str:
+    """CRC64NVME of a shard's header followed by its sample_offsets tensor (RangeChecksums.layout)."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    start, stop = json.loads(data[8 : 8 + length])["sample_offsets"]["data_offsets"]
+    return crc64nvme_bytes(data[: 8 + length] + data[8 + length + start : 8 + length + stop])
+
+
 def _output_digests(index_dir: Path) -> dict[str, Any]:
     manifest = json.loads((index_dir / "manifest.json").read_bytes())
     manifest["shards"].sort(key=lambda entry: entry["name"])  # commit order follows the writer threads
@@ -170,6 +180,9 @@ def _output_digests(index_dir: Path) -> dict[str, Any]:
         # The whole-file checksum covers the run id in the header: checked here, then set aside.
         assert crc64nvme_file(index_dir / entry["name"]) == entry["checksum"]["value"]
         entry["checksum"]["value"] = "<checked>"
+        # So does the per-range checksum of the header (with the sample offsets): checked the same way.
+        assert _layout_checksum(index_dir / entry["name"]) == entry["ranges"]["layout"]
+        entry["ranges"]["layout"] = "<checked>"
     files: dict[str, Any] = {
         "manifest.json": _digest(json.dumps(_normalize(manifest), sort_keys=True).encode()),
         "rejected.jsonl": _digest((index_dir / "rejected.jsonl").read_bytes()),

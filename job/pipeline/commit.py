@@ -23,7 +23,7 @@ from job.data import exact_json
 from job.data.encode import EncodedSample
 from job.generate.stage import generation_counts
 from job.layout import PARTIAL, regenerated_name
-from job.manifest import Checksum, Manifest, Regenerated, ShardEntry
+from job.manifest import Checksum, Manifest, RangeChecksums, Regenerated, ShardEntry
 from job.shards.format import ShardContext, ShardPlan
 from job.shards.writer import FinishedShard, ReservedShard, ShardSlot, ShardWriter
 from job.storage.base import IndexStore
@@ -99,8 +99,12 @@ class Committer:
             if not kept:
                 finished.staged.discard()
                 return
-            checksum = _repack(finished.staged, plan, kept, self._context, self.store.staging_is_output)
+            checksum, ranges = _repack(
+                finished.staged, plan, kept, self._context, self.store.staging_is_output
+            )
             plan = ShardPlan(plan.number, kept)
+        else:
+            ranges = finished.ranges
         records = None
         if self._regenerated is not None:
             records = self._regenerated([s.sample_id for s in finished.plan.samples])
@@ -115,6 +119,7 @@ class Committer:
             sample_ids=[s.sample_id for s in plan.samples],
             num_truncated=sum(s.truncated for s in plan.samples),
             regenerated=None if records is None else self._commit_sidecar(committed.name, records),
+            ranges=ranges,
         )
         with self._lock:
             self.manifest.add_shard(entry)
@@ -159,9 +164,9 @@ class Committer:
 
 def _repack(
     staged: StagedShard, plan: ShardPlan, kept: list[EncodedSample], context: ShardContext, direct_io: bool
-) -> str:
+) -> tuple[str, RangeChecksums]:
     """Rewrite ``staged`` with only the ``kept`` samples (written the way the run's own writer
-    writes: ``direct_io`` only where staging is the output); returns the new checksum."""
+    writes: ``direct_io`` only where staging is the output); returns the new checksums."""
     from safetensors import safe_open
 
     old_offsets = np.zeros(len(plan.samples) + 1, np.int64)
@@ -195,4 +200,4 @@ def _repack(
         writer.close()
     assert finished, "repacked shard did not complete"
     os.replace(finished[0].staged.path, staged.path)
-    return finished[0].checksum
+    return finished[0].checksum, finished[0].ranges

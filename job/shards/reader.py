@@ -2,16 +2,16 @@
 
 Only shards listed in an index's manifest are read; anything else in the
 directory is an interrupted run's leftover and is ignored. ``iter_output``
-reads a local output or an object-store one (``s3://bucket/prefix``), and
-checks each shard against the manifest's size and CRC64NVME before reading it
-(DamagedShard names the shard otherwise); ``verify=False`` skips the checksum.
+reads a local output or an object-store one (``s3://bucket/prefix``) in index and
+manifest order through ``job.shards.access`` (memory maps, ranged GETs), which
+checks every sample against the manifest's checksums before handing it out
+(DamagedShard names the shard otherwise); ``verify=False`` skips the checksums.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +21,8 @@ from safetensors import safe_open
 from job.hidden_dtype import hidden_dtype
 from job.layout import MANIFEST
 from job.manifest import Manifest
+from job.shards.access import OutputReader, Sample
 from job.shards.format import FORMAT_VERSION
-from job.storage import open_shard_source
-
-
-@dataclass(frozen=True)
-class Sample:
-    sample_id: str
-    input_ids: torch.Tensor  # int32 [T]
-    loss_mask: torch.Tensor  # uint8 [T]
-    hidden_states: torch.Tensor  # [T, L, H] in the model dtype (FP8 is decoded)
-    layer_ids: list[int]
 
 
 class Shard:
@@ -102,12 +93,17 @@ def iter_output(
     """Samples of every shard listed in the manifests of ``output`` (an output or one index: a
     directory, or an object-store URI, whose shards are always verified); ``setting`` names the
     argument in errors."""
-    source = open_shard_source(str(output), setting, verify)
-    for index in source.indexes():
-        if index.manifest is None:
-            continue
-        if require_complete and not index.manifest.complete:
-            raise ValueError(f"{source.location}/{index.name}: manifest is not complete")
-        for entry in index.manifest.shards:
-            with source.fetch(index.name, entry) as path:
-                yield from Shard(path)
+    reader = OutputReader(output, verify=verify, setting=setting)
+    try:
+        for index in reader.index_names():
+            manifest = reader.manifest(index)
+            if manifest is None:
+                continue
+            if require_complete and not manifest.complete:
+                raise ValueError(f"{reader.location}/{index}: manifest is not complete")
+            for entry in manifest.shards:
+                shard = reader.shard(index, entry.name, entry)
+                for position in range(len(shard)):
+                    yield shard.sample(position)
+    finally:
+        reader.close()

@@ -27,11 +27,14 @@ How rows reach the file:
 
 The shard's CRC64NVME is combined from per-write checksums of the source bytes, so committing
 never reads the shard back; combining also proves that every byte of the file was written
-exactly once (``combined_checksum``).
+exactly once (``combined_checksum``). The same per-write checksums give the manifest's
+per-range ones (``range_checksums``: the header with the sample offsets, and each sample's
+bytes), with which a reader checks one sample without reading its whole shard.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import mmap
@@ -48,8 +51,9 @@ import torch
 from awscrt.checksums import combine_crc64nvme, crc64nvme
 
 from job.backends import HiddenChunk
-from job.checksum import encode
+from job.checksum import ALGORITHM, encode
 from job.hidden_dtype import SCALE_BYTES
+from job.manifest import RangeChecksums
 from job.shards.format import DATA_ALIGNMENT, ShardContext, ShardLayout, ShardPlan
 from job.storage.staging import StagedShard
 
@@ -80,6 +84,7 @@ class FinishedShard:
     staged: StagedShard
     failed: dict[str, str]  # sample id -> reason (e.g. non-finite values)
     checksum: str  # CRC64NVME of the whole file (base64, as S3 reports it)
+    ranges: RangeChecksums  # per-range CRC64NVME (the manifest's ShardEntry.ranges)
     direct_bytes: int  # bytes written with direct I/O
     # hidden-state rows that took the mapping although the file had a direct I/O descriptor
     # (rows not block-aligned in memory): a slower path that should not happen
@@ -335,6 +340,7 @@ class ShardWriter:
                 staged,
                 shard.failed,
                 combined_checksum(shard.pieces, shard.layout.total_bytes, staged.path.name),
+                range_checksums(shard.pieces, shard.layout, slot.shard.plan, shard.row_offsets),
                 shard.direct_bytes,
                 shard.buffered_row_bytes,
             )
@@ -353,6 +359,46 @@ def combined_checksum(pieces: list[tuple[int, int, int]], total: int, name: str)
     if end != total:
         raise ValueError(f"{name}: bytes {end}..{total} never written")
     return encode(crc)
+
+
+def range_checksums(
+    pieces: list[tuple[int, int, int]], layout: ShardLayout, plan: ShardPlan, row_offsets: np.ndarray
+) -> RangeChecksums:
+    """The shard's per-range checksums (``RangeChecksums``) from the pieces it was written in
+    (``combined_checksum`` has proven that they tile the file). Rows and scales come from the
+    backend's writes, which never span two samples; the header, sample offsets, ids and masks are
+    the plan's own arrays, checksummed here as written."""
+    written = sorted(p for p in pieces if p[1])
+    starts = [offset for offset, _, _ in written]
+
+    def span(begin: int, end: int) -> int:
+        crc, at, i = 0, begin, bisect.bisect_left(starts, begin)
+        while at < end:
+            offset, length, piece = written[i]
+            if offset != at or offset + length > end:
+                raise ValueError(f"{plan.name}: a write crosses the sample boundary at byte {at}")
+            crc, at, i = combine_crc64nvme(crc, piece, length), at + length, i + 1
+        return crc
+
+    offsets = layout.offsets
+    row_bytes = layout.specs["hidden_states"].nbytes // max(1, int(row_offsets[-1]))
+    scaled = "hidden_states_scale" in offsets
+    scale_bytes = layout.specs["hidden_states_scale"].shape[1] * SCALE_BYTES if scaled else 0
+    samples = []
+    for i, sample in enumerate(plan.samples):
+        a, b = int(row_offsets[i]), int(row_offsets[i + 1])
+        crc = span(offsets["hidden_states"] + a * row_bytes, offsets["hidden_states"] + b * row_bytes)
+        if scaled:
+            base = offsets["hidden_states_scale"]
+            crc = combine_crc64nvme(
+                crc, span(base + a * scale_bytes, base + b * scale_bytes), (b - a) * scale_bytes
+            )
+        ids = np.ascontiguousarray(sample.input_ids, np.int32)
+        mask = np.ascontiguousarray(sample.loss_mask, np.uint8)
+        crc = combine_crc64nvme(crc, crc64nvme(ids), ids.nbytes)
+        samples.append(encode(combine_crc64nvme(crc, crc64nvme(mask), mask.nbytes)))
+    head = crc64nvme(row_offsets.astype(np.int64, copy=False), crc64nvme(layout.header))
+    return RangeChecksums(algorithm=ALGORITHM, layout=encode(head), samples=samples)
 
 
 def _open_direct(path: Path) -> int | None:

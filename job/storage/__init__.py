@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import importlib
 import re
+from typing import TYPE_CHECKING
 
 from job.errors import ConfigError
-from job.settings import OutputSettings
 from job.storage.base import IndexStore, ShardSource
 from job.storage.transport import ObjectTransport
+
+if TYPE_CHECKING:
+    from job.settings import OutputSettings  # the write side only: readers never load settings
 
 _SCHEME = re.compile(r"^([a-z][a-z0-9+.-]*)://")
 

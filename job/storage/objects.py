@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from awscrt.checksums import crc64nvme
 
@@ -31,10 +31,12 @@ from job.errors import ConfigError, DamagedShard, JobError, StorageError, Supers
 from job.layout import EXTRACTION, MANIFEST, index_dir_name, is_log, shard_name, shard_number
 from job.logs import get_logger
 from job.manifest import StoredFile
-from job.settings import OutputSettings
 from job.storage.base import CommittedShard, IndexStore, ShardSource, SourceIndex
 from job.storage.staging import StagedShard, StagingArea
 from job.storage.transport import ObjectExists, ObjectInfo, ObjectTransport, PreconditionFailed
+
+if TYPE_CHECKING:
+    from job.settings import OutputSettings
 
 LOG_SHIP_INTERVAL_S = 30.0
 # A shard whose planned key another writer took meanwhile is re-keyed; more conflicts than this

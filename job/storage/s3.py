@@ -79,13 +79,20 @@ def connect(
     upload_threads: int = 8,
     part_size: int = DEFAULT_PART_SIZE,
     sign_payload: bool = True,
+    read_threads: int = 8,
 ) -> tuple[S3Transport, str]:
-    """The transport for ``s3://bucket/prefix`` and the prefix (no leading or trailing ``/``)."""
+    """The transport for ``s3://bucket/prefix`` and the prefix (no leading or trailing ``/``);
+    ``read_threads``: ranged reads made at once (job.shards.access), each needs a connection."""
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")
     if not bucket:
         raise ConfigError(f"{setting}: {uri!r} names no bucket; use s3://bucket/prefix")
     transport = S3Transport(
-        bucket, setting, upload_threads=upload_threads, part_size=part_size, sign_payload=sign_payload
+        bucket,
+        setting,
+        upload_threads=upload_threads,
+        part_size=part_size,
+        sign_payload=sign_payload,
+        read_threads=read_threads,
     )
     return transport, prefix.strip("/")
 
@@ -175,12 +182,19 @@ class S3Transport(ObjectTransport):
     scheme = "s3"
 
     def __init__(
-        self, bucket: str, setting: str, *, upload_threads: int, part_size: int, sign_payload: bool = True
+        self,
+        bucket: str,
+        setting: str,
+        *,
+        upload_threads: int,
+        part_size: int,
+        sign_payload: bool = True,
+        read_threads: int = 8,
     ) -> None:
         self.bucket = bucket
         self.setting = setting
         self._counter = _RetryCounter()
-        self._client = _make_client(self._counter, 10)
+        self._client = _make_client(self._counter, max(10, read_threads + 2))
         # Every object the shard client creates is create-only: s3transfer has no If-None-Match
         # argument, so it is added to the two requests that create objects.
         self._shard_client = _make_client(self._counter, upload_threads + 4, sign_payload)
@@ -354,6 +368,35 @@ class S3Transport(ObjectTransport):
 
     def open_reader(self, info: ObjectInfo) -> IO[bytes]:
         return io.BufferedReader(_ObjectReader(self, info), buffer_size=1 << 20)
+
+    def read_range(self, info: ObjectInfo, start: int, into: memoryview) -> None:
+        where, done = self.url(info.key), 0
+        for attempt in range(_ATTEMPTS):
+            try:
+                body = self._client.get_object(
+                    Bucket=self.bucket,
+                    Key=info.key,
+                    Range=f"bytes={start + done}-{start + len(into) - 1}",
+                    IfMatch=info.version,
+                )["Body"]
+                with contextlib.closing(body):
+                    while done < len(into):
+                        n = body.readinto(into[done:])
+                        if n == 0:
+                            raise StorageError(f"{where} ended at byte {start + done} of {info.size}")
+                        done += n
+                return
+            except ClientError as exc:
+                if _is_status(exc, 412, 404):
+                    raise StorageError(
+                        f"{self.setting}: {where} changed or was removed since it was listed"
+                    ) from None
+                raise _translate(exc, self.setting, self.bucket, f"reading {where}") from None
+            except (*_BROKEN_RESPONSE, BotoCoreError, StorageError) as exc:
+                if attempt + 1 == _ATTEMPTS:
+                    raise StorageError(f"{self.setting}: reading {where} failed: {exc}") from None
+                _backoff(attempt)
+        raise AssertionError("unreachable")
 
     def abort_uploads(self, prefix: str, only_keys: set[str] | None = None) -> int:
         def call() -> int:

@@ -89,6 +89,11 @@ class ObjectTransport(ABC):
         """A seekable, buffered reader of exactly that version of the object."""
 
     @abstractmethod
+    def read_range(self, info: ObjectInfo, start: int, into: memoryview) -> None:
+        """Fill ``into`` with exactly that version's bytes from offset ``start`` (StorageError if the
+        object changed or is gone), retried as every read is, from where a broken body stopped."""
+
+    @abstractmethod
     def abort_uploads(self, prefix: str, only_keys: set[str] | None = None) -> int:
         """Abort unfinished multipart uploads under ``prefix`` (or to ``only_keys``); how many."""
 
