@@ -7,6 +7,7 @@ by ``--config`` > ``config/default.yaml``. Unknown keys are errors everywhere.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import re
@@ -426,9 +427,8 @@ class JobSettings(BaseSettings):
 def load_settings(config_file: str | Path | None = None, cli_args: Sequence[str] = ()) -> JobSettings:
     """Build the effective settings or raise ConfigError with one readable line."""
     path = Path(config_file) if config_file else None
-    if path is not None and not path.is_file():
-        raise ConfigError(f"--config {path}: no such file")
     if path is not None:
+        _check_config_file(path)
         _check_yaml_mapping(path)
     _check_env_typos(os.environ)
     token = _SOURCES.set(_Sources(path, tuple(cli_args)))
@@ -446,6 +446,36 @@ def load_settings(config_file: str | Path | None = None, cli_args: Sequence[str]
         raise ConfigError(f"settings: {message}") from None
     finally:
         _SOURCES.reset(token)
+
+
+def _check_config_file(path: Path) -> None:
+    """``--config`` names a readable file; otherwise say what it names instead."""
+    if path.is_file():
+        return
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.y*ml") if p.is_file())[:5]
+        hint = f" (it holds {', '.join(found)})" if found else ""
+        raise ConfigError(f"--config {path}: is a directory; name a YAML settings file in it{hint}")
+    raise ConfigError(f"--config {path}: {path_problem(path)}")
+
+
+def path_problem(path: Path) -> str:
+    """What is wrong with a path that is neither a file nor a directory, for a message."""
+    try:
+        path.stat()
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return (
+                "is a symbolic link loop (a link that leads back to itself: too many levels of symbolic "
+                "links); point the link at a real file"
+            )
+        if exc.errno == errno.ENOENT and path.is_symlink():
+            target = os.readlink(path).encode("utf-8", "backslashreplace").decode()
+            return f"is a broken symbolic link (to {target}, which does not exist)"
+        if exc.errno == errno.ENOENT:
+            return "does not exist"
+        return f"cannot be read: {exc.strerror}"
+    return "is not a regular file or directory (a device, socket or pipe)"
 
 
 def _check_yaml_mapping(path: Path) -> None:

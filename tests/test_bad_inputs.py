@@ -135,6 +135,36 @@ RECORDS: list[tuple[bytes, str | None, str | None]] = [
         "null-no-calls",
         "must be a string, got null",
     ),
+    # content parts other than text: the rejection names what was found
+    (
+        line(
+            {
+                **chat("part-null-text"),
+                "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}],
+            }
+        ),
+        "part-null-text",
+        "messages[0].content[0].text: a text part's 'text' must be a string, got null",
+    ),
+    (
+        line(
+            {
+                **chat("part-image"),
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
+                    {"role": "assistant", "content": "A cat."},
+                ],
+            }
+        ),
+        "part-image",
+        "messages[0].content[0]: a part of type 'image_url'; only text parts",
+    ),
+    (
+        line({**chat("part-string"), "messages": [{"role": "user", "content": ["Hi?"]}]}),
+        "part-string",
+        "messages[0].content[0]: a content part must be an object like {'type': 'text', 'text': ...}, got",
+    ),
+    (line(chat("spark-twin", "Hello.")), "spark-twin", None),  # spark.parquet's row 0 as JSON
     (line(chat("ok-last")), "ok-last", None),  # the run went on
 ]
 MAX_RECORD = DEFAULT_MAX_RECORD_BYTES
@@ -170,6 +200,31 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (root / "huge.jsonl").write_bytes(
         line(chat("huge-before")) + b"\n" + giant_line() + b"\n" + line(chat("huge-after"))
     )
+    # a writer that left a line break raw inside a string: one rejection, under the record's id
+    (root / "multiline.jsonl").write_bytes(
+        line(chat("multi-before"))
+        + b"\n"
+        + b'{"id": "multi", "messages": [{"role": "user", "content": "one\ntwo\r\n\nthree"}]}\n'
+        + line(chat("multi-after"))
+        + b"\n"
+    )
+    # Spark's list<map<string,string>> messages, read as objects; a map holding a key twice is no object
+    spark = pa.list_(pa.map_(pa.string(), pa.string()))
+    turns = [[("role", "user"), ("content", "Hi?")], [("role", "assistant"), ("content", "Hello.")]]
+    twice = [[("role", "user"), ("role", "assistant"), ("content", "Hi?")]]
+    messages = pa.array([turns, twice], type=spark)
+    pq.write_table(pa.table({"id": ["spark-1", "spark-2"], "messages": messages}), root / "spark.parquet")
+    # ids colliding with the id generated for a record without one (<file>:<line>, <file>:<row>)
+    (root / "z-ids.jsonl").write_bytes(
+        line(chat("z-ids.jsonl:2"))  # explicit, equal to the next line's generated id
+        + b"\n"
+        + line({"messages": chat("-")["messages"]})
+        + b"\n"
+        + line(chat("u64.parquet:1"))  # explicit, equal to the id of u64.parquet's row 1, read earlier
+        + b"\n"
+    )
+    # a link that leads back to itself: skipped, named as a loop
+    (root / "loop.jsonl").symlink_to("loop.jsonl")
     uint64 = pa.array([[1, 2**64 - 1], [5, 6]], type=pa.list_(pa.uint64()))
     pq.write_table(pa.table({"input_ids": uint64}), root / "u64.parquet")
     parquet_with_invalid_utf8(root / "utf8.parquet")
@@ -221,17 +276,40 @@ WRITTEN = [
     "bom-2",
     "huge-before",
     "huge-after",
+    "multi-before",
+    "multi-after",
     *(record_id(sid, n) for n, (_, sid, reason) in enumerate(RECORDS, 1) if reason is None),
+    "spark-1",
     "u64.parquet:1",
     "pq-ok",
+    "z-ids.jsonl:2",
 ]
 REJECTED = [
     ("huge.jsonl:2", "over data.max_record_bytes"),
+    ("multi", "a line break inside a JSON string: this record runs over lines 2-5 of multiline.jsonl"),
     *((record_id(sid, n), reason) for n, (_, sid, reason) in enumerate(RECORDS, 1) if reason is not None),
+    ("spark.parquet:1", "row cannot be read: a map holds a key twice, so it is no object"),
     ("u64.parquet:0", "beyond 64-bit"),
     ("utf8.parquet:1", "row cannot be read"),
+    # the first of two records keeps an id; the second one is rejected, naming the collision
+    (
+        "z-ids.jsonl:2",
+        "this record has no 'id', and the id generated from its place, 'z-ids.jsonl:2', collides",
+    ),
+    (
+        "u64.parquet:1",
+        "this record's 'id' 'u64.parquet:1' collides with the id generated for an earlier record",
+    ),
 ]
-SKIPPED = [".cache/", ".hidden.jsonl", "array.json", "notes.txt", "old.jsonl.bz2", "out/index-00000/"]
+SKIPPED = [
+    ".cache/",
+    ".hidden.jsonl",
+    "array.json",
+    "loop.jsonl",
+    "notes.txt",
+    "old.jsonl.bz2",
+    "out/index-00000/",
+]
 
 
 def test_the_run_completes_without_a_traceback(run: dict[str, Any]) -> None:
@@ -273,6 +351,15 @@ def test_skipped_files_are_named(run: dict[str, Any]) -> None:
     assert "output directory" in reasons["out/index-00000/"]
     assert "hidden" in reasons[".hidden.jsonl"] and "hidden" in reasons[".cache/"]
     assert ".jsonl" in reasons["array.json"]
+    assert "symbolic link loop" in reasons["loop.jsonl"]
+
+
+def test_a_spark_map_column_reads_as_the_object_it_is(run: dict[str, Any]) -> None:
+    """spark.parquet's row 0 holds the conversation of the JSONL record spark-twin as maps."""
+    samples = {s.sample_id: s for s in iter_output(run["out"]) if s.sample_id in ("spark-1", "spark-twin")}
+    spark, twin = samples["spark-1"], samples["spark-twin"]
+    assert spark.input_ids.tolist() == twin.input_ids.tolist()
+    assert spark.loss_mask.tolist() == twin.loss_mask.tolist() and spark.loss_mask.sum() > 0
 
 
 # --- problems that stop the run ---------------------------------------------------------------
@@ -301,6 +388,18 @@ def error_line(result: Any) -> str:
         ("one-line-array.jsonl", b'[{"id": "a", "input_ids": [1]}]\n', "is a JSON array, not JSON Lines"),
         ("pretty.jsonl", b'{\n  "id": "a",\n  "input_ids": [1]\n}\n', "pretty-printed JSON"),
         ("cut.jsonl.gz", cut_gzip(), "cannot decompress"),
+        # UTF-16/32 text (Windows tools write it): one error naming the encoding, not a rejection per line
+        (
+            "utf16.jsonl",
+            (line(chat("a")) + b"\n" + line(chat("b")) + b"\n").decode().encode("utf-16"),
+            "is UTF-16-LE text (byte order mark FF FE), not UTF-8",
+        ),
+        (
+            "utf16be.jsonl.gz",
+            gzip.compress((line(chat("a")) + b"\n").decode().encode("utf-16-be")),
+            "is UTF-16-BE text (no byte order mark; NUL bytes between its characters)",
+        ),
+        ("utf32.jsonl", (line(chat("a")) + b"\n").decode().encode("utf-32"), "is UTF-32-LE text"),
     ],
 )
 def test_a_file_that_is_not_json_lines_stops_the_run_naming_it(
@@ -342,6 +441,37 @@ def test_an_empty_data_path_is_an_error(tmp_path: Path, run_job: Callable[..., A
     message = error_line(run_job("run", f"--data.path={value}", f"--output.uri={tmp_path / 'o'}"))
     assert "data.path: empty" in message
     assert not (tmp_path / "o").exists()
+
+
+def test_a_symbolic_link_loop_as_data_path_is_named(tmp_path: Path, run_job: Callable[..., Any]) -> None:
+    data = tmp_path / "data.jsonl"
+    data.symlink_to(tmp_path / "data.jsonl")
+    message = error_line(run_job("run", f"--data.path={data}", f"--output.uri={tmp_path / 'o'}"))
+    assert f"data.path: {data} is a symbolic link loop" in message and "does not exist" not in message
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    message = error_line(
+        run_job("run", f"--data.path={tmp_path / 'link.jsonl'}", f"--output.uri={tmp_path / 'o'}")
+    )
+    assert f"is a broken symbolic link (to {tmp_path / 'gone.jsonl'}, which does not exist)" in message
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n"], ids=["empty", "blank"])
+def test_an_empty_chat_template_file_is_named(
+    tmp_path: Path, run_job: Callable[..., Any], fast_args: tuple[str, ...], content: str
+) -> None:
+    template = tmp_path / "template.jinja"
+    template.write_text(content)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(chat("a")) + "\n")
+    result = run_job(
+        "run",
+        f"--data.path={data}",
+        f"--output.uri={tmp_path / 'o'}",
+        f"--data.chat_template={template}",
+        *fast_args,
+    )
+    message = error_line(result)
+    assert f"data.chat_template: {template} is empty" in message and "tokenizer" not in message.split(";")[0]
 
 
 def test_a_directory_of_unread_files_names_them(tmp_path: Path, run_job: Callable[..., Any]) -> None:

@@ -220,6 +220,15 @@ def test_unknown_key_in_yaml(run_job: Callable[..., Any], tmp_path: Path) -> Non
     assert_config_error(run_job("run", f"--config={tmp_path / 'missing.yaml'}"), "--config", "missing.yaml")
 
 
+def test_config_naming_a_directory_or_a_link_loop(run_job: Callable[..., Any], tmp_path: Path) -> None:
+    (tmp_path / "run.yaml").write_text("data:\n  max_length: 100\n")
+    line = assert_config_error(run_job("run", f"--config={tmp_path}"), f"--config {tmp_path}: is a directory")
+    assert "name a YAML settings file in it (it holds run.yaml)" in line
+    loop = tmp_path / "loop.yaml"
+    loop.symlink_to(loop)
+    assert_config_error(run_job("config", f"--config={loop}"), f"--config {loop}: is a symbolic link loop")
+
+
 @pytest.mark.parametrize(
     ("text", "needle"),
     [("output: [\n", "line 2"), ("- 1\n- 2\n", "must be a mapping"), ("just a string\n", "got a str")],

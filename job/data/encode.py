@@ -119,9 +119,19 @@ def read_chat_template(path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        return Path(path).expanduser().read_text(encoding="utf-8")
+        template = Path(path).expanduser().read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"data.chat_template: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"data.chat_template: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
+    if not template.strip():  # as the tokenizer's template it would read as "the tokenizer has none"
+        raise ConfigError(
+            f"data.chat_template: {path} is empty; write the Jinja chat template into it, or unset "
+            "data.chat_template to use the tokenizer's own"
+        )
+    return template
 
 
 def clean_reason(reason: str) -> str:

@@ -116,15 +116,29 @@ def _text(content: Any, where: str) -> str:
         return content
     # OpenAI content parts: a list of {"type": "text", "text": ...}
     if isinstance(content, list):  # [] is no parts: empty text
-        texts = []
-        for i, part in enumerate(content):
-            if not (
-                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-            ):
-                raise SampleRejected(f"{where}[{i}]: only text content parts are supported")
-            texts.append(part["text"])
-        return "".join(texts)
+        return "".join(_text_part(part, f"{where}[{i}]") for i, part in enumerate(content))
     raise SampleRejected(f"{where}: content must be a string, got {_type_name(content)}")
+
+
+def _text_part(part: Any, where: str) -> str:
+    """The text of one OpenAI content part; anything else is rejected naming what it is."""
+    if not isinstance(part, dict):
+        raise SampleRejected(
+            f"{where}: a content part must be an object like {{'type': 'text', 'text': ...}}, "
+            f"got {_type_name(part)}"
+        )
+    kind = part.get("type")
+    if kind != "text":
+        found = "a part without a 'type'" if kind is None else f"a part of type {kind!r}"
+        raise SampleRejected(
+            f"{where}: {found}; only text parts ({{'type': 'text', 'text': ...}}) can be tokenized "
+            "(the job extracts from text prompts): drop the part, or the sample"
+        )
+    text = part.get("text")
+    if not isinstance(text, str):
+        found = "missing" if "text" not in part else _type_name(text)
+        raise SampleRejected(f"{where}.text: a text part's 'text' must be a string, got {found}")
+    return text
 
 
 def _type_name(value: Any) -> str:

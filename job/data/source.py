@@ -24,14 +24,19 @@ What one record can do is bounded, so no record crashes the run or sets its memo
   raw CR, so splitting on it never cuts a record), and a UTF-8 byte order mark
   at the start of a file is skipped;
 * a ``.jsonl`` file that is a JSON document rather than JSON Lines (its first line
-  opens an array, or is a lone ``{``) is a file-level error naming the file:
-  read line by line it would yield nothing but rejections;
+  opens an array, or is a lone ``{``), or UTF-16/UTF-32 text (a byte order mark, or NUL
+  bytes in its first line), is a file-level error naming the file: read line by line it
+  would yield nothing but rejections;
+* a line that ends inside a JSON string, completed into one JSON object by the lines
+  after it (a raw line break in a string), is one rejection naming those lines under the
+  record's id, not one malformed record per line;
 * a compressed file that ends inside its compressed data (gzip member, zstd frame) is a
   file-level error naming the file; concatenated gzip members and zstd frames are read
   one after another.
 
 Parquet rows are read in batches of about ``PARQUET_BATCH_BYTES`` (from the row
-groups' sizes) rather than a fixed row count, so large rows do not pile up.
+groups' sizes) rather than a fixed row count, so large rows do not pile up. A map column
+(Spark's ``list<map<string,string>>`` messages) is read as objects, as a struct column is.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from awscrt.checksums import crc64nvme
 from job.checksum import encode as encode_crc
 from job.data import exact_json
 from job.errors import ConfigError
-from job.settings import config_dir
+from job.settings import config_dir, path_problem
 from job.storage import connect_transport, uri_scheme
 from job.storage.transport import ObjectInfo
 
@@ -108,6 +113,9 @@ class Record:
     error: str | None
     bytes_done: int  # input bytes consumed so far, for progress
     size: int = 0  # bytes of the raw record (JSONL line; Parquet: an estimate)
+    # The id is the record's place (``<file>:<n>``), not an ``id`` field: another record's explicit
+    # id equal to it is reported as that collision.
+    generated_id: bool = True
 
 
 def is_data_file(name: str) -> bool:
@@ -156,7 +164,7 @@ def scan_input(path: str) -> InputListing:
                 f"data.path: no {_SUFFIX_LIST} files under {_printable(str(root))}{_skipped_summary(skipped)}"
             )
     else:
-        raise ConfigError(f"data.path: {_printable(path)} does not exist")
+        raise ConfigError(f"data.path: {_printable(path)} {path_problem(root)}")
     files = []
     for name, p in candidates:
         if not _encodable(name):
@@ -224,7 +232,7 @@ def _skip_reason(name: str, path: Path) -> str | None:
             return "compressed file not read: only .jsonl.gz and .jsonl.zst are"
         return f"not a data file ({_SUFFIX_LIST})"
     if not path.is_file():
-        return "not a regular file (a broken link, or a special file)"
+        return f"not read: it {path_problem(path)}"
     return None
 
 
@@ -316,7 +324,14 @@ def read_records(
                 else:
                     records = _read_jsonl(f, raw, max_record_bytes)
                 for record, consumed in records:
-                    yield Record(record.sample_id, record.value, record.error, done + consumed, record.size)
+                    yield Record(
+                        record.sample_id,
+                        record.value,
+                        record.error,
+                        done + consumed,
+                        record.size,
+                        record.generated_id,
+                    )
             except EOFError:
                 raise ConfigError(
                     f"data: cannot decompress {f.location}: it ends inside its compressed data, so it "
@@ -390,21 +405,30 @@ class _ZstdFrames(io.RawIOBase):
         return True
 
 
-def _record_id(value: dict[str, Any], fallback: str) -> tuple[str, str | None]:
-    """The record's id and, when its ``id`` field cannot be one, why not."""
+def _record(value: dict[str, Any], fallback: str, size: int) -> Record:
+    """The record under its ``id`` or, when it has none, under ``fallback`` (its place); rejected
+    under ``fallback`` when its ``id`` field cannot be an id."""
     rid = value.get("id")
     if rid is None or rid == "":
-        return fallback, None
+        return Record(fallback, value, None, 0, size)
+    error = _id_error(rid)
+    if error is not None:
+        return Record(fallback, None, error, 0, size)
+    return Record(str(rid), value, None, 0, size, generated_id=False)
+
+
+def _id_error(rid: Any) -> str | None:
+    """Why an ``id`` field cannot name a sample, or None."""
     if isinstance(rid, bool) or not isinstance(rid, str | int):
-        return fallback, f"'id' must be a string or an integer, got {type(rid).__name__}"
+        return f"'id' must be a string or an integer, got {type(rid).__name__}"
     rid = str(rid)
     try:
         encoded = rid.encode("utf-8")
     except UnicodeEncodeError:
-        return fallback, f"'id' {_printable(rid)[:80]!r} is not valid Unicode (it holds a lone surrogate)"
+        return f"'id' {_printable(rid)[:80]!r} is not valid Unicode (it holds a lone surrogate)"
     if len(encoded) > MAX_ID_BYTES:
-        return fallback, f"'id' is {len(encoded)} bytes long; at most {MAX_ID_BYTES} are allowed"
-    return rid, None
+        return f"'id' is {len(encoded)} bytes long; at most {MAX_ID_BYTES} are allowed"
+    return None
 
 
 def _lines(stream: IO[bytes], limit: int) -> Iterator[tuple[bytes | None, int]]:
@@ -464,12 +488,117 @@ def _not_json_lines(line: bytes, location: str) -> ConfigError | None:
     )
 
 
+# Longest first: UTF-32-LE's mark begins with UTF-16-LE's.
+_WIDE_BOMS = (
+    (b"\xff\xfe\x00\x00", "UTF-32-LE"),
+    (b"\x00\x00\xfe\xff", "UTF-32-BE"),
+    (b"\xff\xfe", "UTF-16-LE"),
+    (b"\xfe\xff", "UTF-16-BE"),
+)
+
+
+def _not_utf8(line: bytes, location: str) -> ConfigError | None:
+    """A file-level error when the first non-blank line is UTF-16 or UTF-32 text (a byte order
+    mark, or NUL bytes, which JSON text never holds): read as UTF-8, every line would be rejected."""
+    bom = next(((mark, name) for mark, name in _WIDE_BOMS if line.startswith(mark)), None)
+    if bom is not None:
+        mark, encoding = bom
+        how, source = f"byte order mark {mark.hex(' ').upper()}", encoding[:6]  # iconv reads the mark
+    elif b"\x00" in line[:64]:
+        head = line[:64]
+        width = "32" if head.count(0) * 4 >= len(head) * 3 else "16"
+        order = "BE" if head[0] == 0 else "LE"  # ASCII's zero byte first or last
+        encoding, how = f"UTF-{width}-{order}", "no byte order mark; NUL bytes between its characters"
+        source = f"UTF-{width}{order}"
+    else:
+        return None
+    return ConfigError(
+        f"data: {location} is {encoding} text ({how}), not UTF-8: JSON Lines must be UTF-8, and read "
+        f"as UTF-8 every line of it would be rejected; convert it, e.g. iconv -f {source} -t UTF-8 "
+        "FILE > FILE.utf8.jsonl"
+    )
+
+
+_NumberedLine = tuple[int, tuple[bytes | None, int]]
+
+
+class _Lookahead:
+    """Numbered lines that can be given back (a record found not to continue on them)."""
+
+    def __init__(self, lines: Iterator[_NumberedLine]) -> None:
+        self._lines = lines
+        self._returned: list[_NumberedLine] = []  # given back, last first
+
+    def __iter__(self) -> Iterator[_NumberedLine]:
+        return self
+
+    def __next__(self) -> _NumberedLine:
+        return self._returned.pop() if self._returned else next(self._lines)
+
+    def give_back(self, lines: list[_NumberedLine]) -> None:
+        self._returned.extend(reversed(lines))
+
+
+# A JSON string's body: anything but a quote or backslash, or an escape.
+_STRING_REST = re.compile(rb'(?:[^"\\]+|\\.)*"', re.DOTALL)
+_OUTSIDE_STRINGS = re.compile(rb'(?:[^"]+|"(?:[^"\\]+|\\.)*")*', re.DOTALL)
+
+
+def _ends_in_string(piece: bytes, inside: bool) -> bool:
+    """Whether JSON text ``piece`` ends inside a string, ``inside`` saying whether it starts in one."""
+    start = 0
+    if inside:
+        closed = _STRING_REST.match(piece)
+        if closed is None:
+            return True
+        start = closed.end()
+    outside = _OUTSIDE_STRINGS.match(piece, start)
+    return outside is not None and outside.end() < len(piece)
+
+
+def _record_over_lines(
+    first: bytes, lines: _Lookahead, limit: int
+) -> tuple[dict[str, Any], list[_NumberedLine]] | None:
+    """When ``first`` ends inside a JSON string and the lines after it complete one JSON object
+    (a writer that left line breaks in strings unescaped): that object and the lines it took.
+    Otherwise None, and every line looked at is given back."""
+    if not _ends_in_string(first, False):
+        return None
+    taken: list[_NumberedLine] = []
+    parts, size, inside = [first], len(first), True
+    while inside:
+        item = next(lines, None)
+        if item is None:
+            break
+        taken.append(item)
+        piece = item[1][0]
+        if piece is None or size + len(piece) > limit or _json_object(piece) is not None:
+            break  # too long to hold, or a record of its own
+        parts.append(piece)
+        size += len(piece) + 2
+        inside = _ends_in_string(piece, inside)
+    value = None if inside else _json_object(b"\\n".join(parts))  # each break escaped
+    if value is None:
+        lines.give_back(taken)
+        return None
+    return value, taken
+
+
+def _json_object(text: bytes) -> dict[str, Any] | None:
+    try:
+        value = exact_json.loads(text)
+    except exact_json.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def _read_jsonl(f: InputFile, raw: IO[bytes], limit: int) -> Iterator[tuple[Record, int]]:
     stream = _decoded(f, raw)
     compressed = stream is not raw
     consumed = 0
     first = True
-    for lineno, (line, length) in enumerate(_lines(stream, limit), start=1):
+    lines = _Lookahead(enumerate(_lines(stream, limit), start=1))
+    for lineno, (line, length) in lines:
         consumed += length
         # Progress counts file bytes: for compressed files, what was read of the file.
         position = raw.tell() if compressed else consumed
@@ -488,13 +617,27 @@ def _read_jsonl(f: InputFile, raw: IO[bytes], limit: int) -> Iterator[tuple[Reco
             continue  # blank lines are not samples
         if first:
             first = False
-            error = _not_json_lines(line, f.location)
+            error = _not_utf8(line, f.location) or _not_json_lines(line, f.location)
             if error is not None:
                 raise error
         try:
             value = exact_json.loads(line)
         except exact_json.JSONDecodeError as exc:
-            yield Record(fallback, None, f"malformed JSON: {exc}", 0, length), position
+            spread = _record_over_lines(line, lines, limit)
+            if spread is None:
+                yield Record(fallback, None, f"malformed JSON: {exc}", 0, length), position
+                continue
+            value, taken = spread
+            length += sum(n for _, (_, n) in taken)
+            consumed += sum(n for _, (_, n) in taken)
+            position = raw.tell() if compressed else consumed
+            reason = (
+                f"a line break inside a JSON string: this record runs over lines {lineno}-{taken[-1][0]} "
+                f"of {_printable(f.name)}, where JSON Lines needs one line per record; write line breaks "
+                "in strings as \\n (a JSON library's writer does, e.g. json.dumps or jq -c)"
+            )
+            record = _record(value, fallback, length)
+            yield Record(record.sample_id, None, reason, 0, length, record.generated_id), position
             continue
         if not isinstance(value, dict):
             reason = f"expected a JSON object, got {_json_type(value)}"
@@ -504,8 +647,7 @@ def _read_jsonl(f: InputFile, raw: IO[bytes], limit: int) -> Iterator[tuple[Reco
             reason = f"JSON nested deeper than {MAX_DEPTH} levels"
             yield Record(fallback, None, reason, 0, length), position
             continue
-        sample_id, id_error = _record_id(value, fallback)
-        yield Record(sample_id, None if id_error else value, id_error, 0, length), position
+        yield _record(value, fallback, length), position
 
 
 def _nested_deeper(value: Any, limit: int) -> bool:
@@ -550,18 +692,19 @@ def _read_parquet(f: InputFile, stream: IO[bytes]) -> Iterator[tuple[Record, int
                 if error is not None:
                     yield Record(fallback, None, error, 0, row_bytes), consumed
                     continue
-                sample_id, id_error = _record_id(value, fallback)
-                yield Record(sample_id, None if id_error else value, id_error, 0, row_bytes), consumed
+                yield _record(value, fallback, row_bytes), consumed
     except (pa.ArrowException, ValueError) as exc:
         raise ConfigError(f"data: cannot read {f.location} (Parquet) after row {row}: {exc}") from None
 
 
 def _batch_rows(batch: Any) -> Iterator[tuple[dict[str, Any], None] | tuple[None, str]]:
-    """The rows of a record batch as dicts; a row that does not convert to Python
-    (invalid UTF-8 in a string column) becomes an error for that row only."""
+    """The rows of a record batch as dicts; a row that does not convert to Python (invalid UTF-8
+    in a string column, a key twice in one map) becomes an error for that row only. A map column
+    (Spark writes ``list<map<string,string>>`` messages) gives dicts, as a struct column does:
+    pyarrow's default gives a map as a list of key/value pairs."""
     try:
-        rows = batch.to_pylist()
-    except (UnicodeDecodeError, ValueError):
+        rows = batch.to_pylist(maps_as_pydicts="strict")
+    except (UnicodeDecodeError, ValueError, KeyError):
         rows = None
     if rows is not None:
         for value in rows:
@@ -569,9 +712,11 @@ def _batch_rows(batch: Any) -> Iterator[tuple[dict[str, Any], None] | tuple[None
         return
     for i in range(batch.num_rows):
         try:
-            yield _without_nulls(batch.slice(i, 1).to_pylist()[0]), None
+            yield _without_nulls(batch.slice(i, 1).to_pylist(maps_as_pydicts="strict")[0]), None
         except (UnicodeDecodeError, ValueError) as exc:
             yield None, f"row cannot be read: {exc}"
+        except KeyError as exc:  # pyarrow's message: "... duplicate keys are present (duplicate key was 'k')"
+            yield None, f"row cannot be read: a map holds a key twice, so it is no object ({exc.args[0]})"
 
 
 def _without_nulls(value: Any) -> Any:

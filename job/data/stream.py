@@ -75,7 +75,8 @@ class StreamStats:
     # progress estimate of tokens per byte needs the bytes of the samples it has counted).
     bytes_done: int = 0
     duplicates: int = 0
-    seen_ids: set[str] = field(default_factory=set)
+    # Every id read, and whether it was generated (a record's place, ``<file>:<n>``) rather than given.
+    seen_ids: dict[str, bool] = field(default_factory=dict)
 
 
 class EncodedStream:
@@ -162,11 +163,10 @@ class EncodedStream:
                 # Checked before "done": a later record with the id of an already committed sample
                 # is still a duplicate (rejected, as in the first run), not a second "done".
                 stats.duplicates += 1
-                chunk.append(
-                    (record.sample_id, None, "duplicate sample id: an earlier record has the same id")
-                )
+                reason = _duplicate_reason(record, earlier_generated=stats.seen_ids[record.sample_id])
+                chunk.append((record.sample_id, None, reason))
             else:
-                stats.seen_ids.add(record.sample_id)
+                stats.seen_ids[record.sample_id] = record.generated_id
                 if record.sample_id in self._done_ids:
                     stats.skipped_done += 1
                     continue
@@ -225,6 +225,24 @@ class EncodedStream:
 
     def _put_done(self, results: Future[list[Any]], positions: list[int]) -> bool:
         return self._put((results.result(), positions))
+
+
+def _duplicate_reason(record: Record, earlier_generated: bool) -> str:
+    """Why a record whose id an earlier record has is rejected; says when one of the two ids was
+    made from a record's place (``<file>:<n>``: the n-th line, or Parquet row, of file)."""
+    if earlier_generated and not record.generated_id:
+        return (
+            f"duplicate sample id: this record's 'id' {record.sample_id!r} collides with the id generated "
+            "for an earlier record without an 'id' (its file and line, or Parquet row); give this record "
+            "another id, or that record an id of its own"
+        )
+    if record.generated_id and not earlier_generated:
+        return (
+            f"duplicate sample id: this record has no 'id', and the id generated from its place, "
+            f"{record.sample_id!r}, collides with an earlier record's explicit 'id'; give this record an "
+            "id of its own, or that record another id"
+        )
+    return "duplicate sample id: an earlier record has the same id"
 
 
 def _completed(value: list[Any]) -> Future[list[Any]]:
