@@ -687,6 +687,43 @@ def test_compare_with_a_damaged_or_missing_shard(
     error_line(result, 1, f"{name}: listed in index-00000/manifest.json but missing")
 
 
+@pytest.mark.parametrize(
+    ("setting", "named", "why"),
+    [
+        (
+            "--layers.ids=[1,3,8]",
+            "layers.ids: [1, 3, 8] vs the reference's [2, 4, 5, 8]",
+            "6 with other layer ids",
+        ),
+        (
+            "--data.max_length=40",
+            "data.max_length: 40 vs the reference's 2048",
+            "6 with another number of tokens",
+        ),
+    ],
+    ids=["layers", "max_length"],
+)
+def test_compare_names_the_setting_that_differs(
+    complete_run: tuple[Path, Any],
+    run_job: Callable[..., Any],
+    hf_args: tuple[str, ...],
+    tmp_path: Path,
+    setting: str,
+    named: str,
+    why: str,
+) -> None:
+    other = tmp_path / "other"
+    result = run_job("run", *hf_args, f"--output.uri={other}", setting)
+    assert result.rc == 0, result.describe()
+    result = run_job("compare", str(other), "--reference", str(complete_run[0]))
+    assert result.rc == 1 and "Traceback" not in result.stderr, result.describe()
+    assert result.stdout.startswith("FAIL: 0 samples compared") and f"mismatched 6 ({why}" in result.stdout
+    assert f"the outputs were written with different settings: {named}" in result.stdout, result.stdout
+    # an output compared with itself: nothing differs
+    same = run_job("compare", str(complete_run[0]), "--reference", str(complete_run[0]))
+    assert same.rc == 0 and "different settings" not in same.stdout, same.describe()
+
+
 def test_export_verify_with_a_damaged_shard(
     damaged_copy: tuple[Path, str], run_job: Callable[..., Any]
 ) -> None:
