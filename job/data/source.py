@@ -539,9 +539,10 @@ class _Lookahead:
         self._returned.extend(reversed(lines))
 
 
-# A JSON string's body: anything but a quote or backslash, or an escape.
-_STRING_REST = re.compile(rb'(?:[^"\\]+|\\.)*"', re.DOTALL)
-_OUTSIDE_STRINGS = re.compile(rb'(?:[^"]+|"(?:[^"\\]+|\\.)*")*', re.DOTALL)
+# A JSON string's body: anything but a quote or backslash, or an escape. Possessive (Python 3.11):
+# greedy repeats would keep a backtracking point per step, gigabytes for a 40 MB line.
+_STRING_REST = re.compile(rb'(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_OUTSIDE_STRINGS = re.compile(rb'(?:[^"]++|"(?:[^"\\]++|\\.)*+")*+', re.DOTALL)
 
 
 def _ends_in_string(piece: bytes, inside: bool) -> bool:
