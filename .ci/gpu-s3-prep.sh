@@ -11,9 +11,9 @@ set -euo pipefail
 out=.whl-s3
 py=${PY:-python3}
 rm -rf "$out" && mkdir -p "$out"
-# What the job's write path and python -m job.bench_s3 import that a bare Python 3.12 + torch +
-# transformers may lack (versions as in the test venv; pyarrow is imported only for Parquet inputs,
-# so it stays here).
+# What the job's write path and python -m job.benchmarks.s3_ceiling import that a bare Python 3.12 +
+# torch + transformers may lack (versions as in the test venv; pyarrow is imported only for Parquet
+# inputs, so it stays here).
 wheels=(
   boto3==1.44.8 botocore==1.44.8 s3transfer==0.19.3 jmespath==1.1.0 urllib3==2.8.0
   python-dateutil==2.9.0.post0 six==1.17.0 awscrt==0.38.0

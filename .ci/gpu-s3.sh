@@ -2,8 +2,8 @@
 # On the lent H200 machine (no GPU, no network needed), from the checkout's root, in one call of
 # at most ~5 min (BUDGET_S): the S3 path's throughput.
 #   1. a throughput-tuned SeaweedFS (.ci/s3-fast.sh, $VOLUMES volume servers) on /dev/shm;
-#   2. its raw ceiling, boto3 alone (python -m job.bench_s3): 4 files x 1 GiB from /dev/shm at
-#      8/32/64 threads x 64/128 MiB parts, UNSIGNED-PAYLOAD; then signed at 32 x 64 MiB;
+#   2. its raw ceiling, boto3 alone (python -m job.benchmarks.s3_ceiling): 4 files x 1 GiB from
+#      /dev/shm at 8/32/64 threads x 64/128 MiB parts, UNSIGNED-PAYLOAD; then signed at 32 x 64 MiB;
 #   3. the job's write path into the tuned server (python -m job bench --groups write --write-to s3:
 #      rows from memory, prompts of the Llama-3.1-8B shape in 2 GiB shards staged on /dev/shm):
 #      tuned (upload_threads and part_size of the best raw row, parallel_uploads 4, sign_payload
@@ -84,7 +84,7 @@ if [ "$client_cpus" -gt 0 ]; then
   step "pinned: server on cores ${srv[2]}, clients on ${cli[2]}"
 fi
 lscpu | grep -E '^(Model name|Thread|Core|Socket|NUMA node\(s\))' | tee -a "$L"
-raw=("${cli[@]}" python3 -m job.bench_s3 --files "${RAW_FILES:-4}" --file-size "${RAW_FILE_SIZE:-1GiB}" --src-dir "$SHM/src" --out "$OUT")
+raw=("${cli[@]}" python3 -m job.benchmarks.s3_ceiling --files "${RAW_FILES:-4}" --file-size "${RAW_FILE_SIZE:-1GiB}" --src-dir "$SHM/src" --out "$OUT")
 
 # Most telling first: what is left when the budget runs out is skipped.
 step "raw ceiling: .ci/s3-fast.sh, $VOLUMES volume servers"

@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(argv: list[str]) -> int:
     if argv[0] == "bench":
-        from job.bench import main as bench_main
+        from job.benchmarks.throughput import main as bench_main
 
         return bench_main(argv[1:])
     parser = _parser()

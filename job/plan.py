@@ -15,8 +15,8 @@ from job.pipeline.feed import ShardPlanner
 from job.pipeline.setup import RunSetup, prepare_run
 from job.settings import JobSettings
 
-# Measured on one H200, vLLM 0.26, Llama-3.1-8B shape, shards to local disk (docs/benchmarks.md,
-# run 20261129T124456Z): the basis of the rough wall-time estimate.
+# Measured on one H200, vLLM 0.26, Llama-3.1-8B shape (LLAMA_3_1_8B below), shards to local disk
+# (docs/benchmarks.md, run 20261129T124456Z): the basis of the rough wall-time estimate.
 MEASURED_TOK_PER_S = 39_773
 # The job's generation rate, same machine and shape (docs/benchmarks.md, regenerate_generation,
 # run 20261201T152220Z): 200 prompts, max_new_tokens 512, temperature 0.7, max_num_seqs 128.
@@ -29,6 +29,36 @@ TP2_SCALING_EFFICIENCY = 0.85
 # overheads instead (it would put the builtin tiny model at ~235M tok/s), so the measured rate is
 # never scaled up by more than this.
 MAX_SCALE_UP = 4.0
+# The shape the rates above were measured on (`python -m job bench --model llama-3.1-8b` builds it
+# with dummy weights): estimates scale from its parameters per token.
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+}
 
 
 def active_params(config: dict) -> float:
@@ -184,8 +214,6 @@ def _estimate(tokens: int, config: dict, tensor_parallel_size: int, generated: b
 
     TP > 1 counts one GPU's rate times the GPU count times the efficiency measured
     at TP=2 (larger TP was not measured), and assumes the output keeps up."""
-    from job.bench import LLAMA_3_1_8B
-
     measured = MEASURED_GENERATED_TOK_PER_S if generated else MEASURED_TOK_PER_S
     scale = active_params(LLAMA_3_1_8B) / active_params(config)
     if scale > MAX_SCALE_UP:

