@@ -119,7 +119,7 @@ def style(request: pytest.FixtureRequest, builtin_model: Callable[[str], Path]) 
 
 def test_templates_select_the_intended_method(style: dict[str, Any]) -> None:
     assert style["markers"].mask_method == "generation-markers"
-    assert style["prefix_diff"].mask_method == "prefix-diff"
+    assert style["prefix_diff"].mask_method == "rendered-turns"
 
 
 @pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))

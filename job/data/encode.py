@@ -11,17 +11,29 @@ after it), or, after a generation prompt that opens the block itself, the turn's
 text up to the first ``</think>``. Two ways to find the assistant's characters in the rendered text:
 
 * templates with ``{% generation %}`` markers: what the markers enclose;
-* any other template (``prefix-diff``): for each assistant message, the render
-  of the conversation before it with the generation prompt gives its start (or,
-  when the whole render does not begin with that, the generation prompt's text
-  found last between the previous turn and the first character that changes
-  when the message is replaced by a placeholder, else that character); the
-  render with the placeholder gives its end: the two differ exactly where the
-  message's reasoning, content and tool calls are, and the end-of-turn text
-  that follows (from a render that ends with the message, trailing whitespace
-  excluded) is included. Templates need not be prefix-stable: Qwen3's, which
-  renders ``<think>`` only after the last user query and differently for the
-  final message, works, two assistant turns in a row included.
+* any other template (``rendered-turns``): the conversation is rendered a second
+  time as a *shadow*, each text character of message j (content, reasoning, tool
+  call names and argument values) replaced by a private-use character naming j,
+  whitespace, quotes and the markup templates test for (``</think>``) kept: same
+  length, same structure, so comparing the two renders position by position says
+  which message each character comes from. An assistant turn then runs from the
+  end of its generation prompt (the render of the turns before it with the prompt,
+  where the whole render begins with that; else the prompt's text found last
+  before the turn; else where the message's text would go were its empty content
+  and reasoning filled in) to the end of the text the template renders after its
+  last character when it is the final message (its end-of-turn token), and may
+  hold no other message's character; a token in the loss may not either. A
+  template that leaves turns open (GLM's) adds the next role's token the model
+  generates to end it. Where this cannot be established the sample is rejected,
+  naming the template.
+
+Special tokens spelled out in an assistant's text (an end-of-turn token and a user
+header, say) are tokenized as the text they are (as ``split_special_tokens`` does):
+a model that writes them wrote text, so a record cannot plant a turn. In system,
+user and tool texts they stay special tokens, as ``apply_chat_template`` and vLLM
+serve them (mask 0 there). ``<think>``/``</think>`` always stay tokens. A template
+that joins tool call ``arguments`` as a string (DeepSeek-V3.1's) gets them as the
+record's JSON text.
 
 A template that drops a record's tool calls, tool definitions or tool results
 from the text (one written for plain chat) rejects the sample instead of
@@ -63,8 +75,6 @@ _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 GUARD = 4096
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 MAX_REASON_CHARS = 1000
-# Private-use characters: a placeholder for an assistant message that no real text contains.
-_PLACEHOLDERS = ("\ue000", "\ue001\ue002", "\ue003\ue004\ue005")
 _COMPARE_STEP = 4096
 
 Span = tuple[int, int]  # [start, end) in characters of the rendered text
@@ -144,6 +154,15 @@ class SampleEncoder:
     def __init__(self, spec: EncoderSpec) -> None:
         self.spec = spec
         self._tokenizer: Any = None
+        self._open_turns: dict[str, bool] = {}  # per template: _ends_turns_by_next_role
+        self._argument_form: dict[str, bool] = {}  # per template: _arguments_as_text
+
+    @property
+    def template_name(self) -> str:
+        """The chat template in use, as a reason names it."""
+        if self.spec.chat_template is not None:
+            return "the chat template of data.chat_template"
+        return f"the chat template of {self.spec.tokenizer_path}"
 
     @property
     def tokenizer(self) -> Any:
@@ -193,7 +212,7 @@ class SampleEncoder:
 
     @property
     def mask_method(self) -> str:
-        return "generation-markers" if self.uses_generation_markers else "prefix-diff"
+        return "generation-markers" if self.uses_generation_markers else "rendered-turns"
 
     @functools.cached_property
     def char_budget(self) -> int:
@@ -296,17 +315,80 @@ class SampleEncoder:
         if not any(m["role"] == "assistant" for m in conv.messages):
             raise SampleRejected("no assistant turn: nothing to train on")
         template = self.template(conv.tools)
+        messages = self._with_argument_texts(conv, template)
         located: dict[int, Span] | None = None
+        owners: _Owners | None = None
+        role_tokens: list[Span] = []
         if _GENERATION_MARKER.search(template):
-            full, spans = self._render_marked(conv.messages, conv.tools, template)
+            full, spans = self._render_marked(messages, conv.tools, template)
         else:
-            full, _ = self._render(conv.messages, conv.tools, template)
-            located = self._diff_spans(conv.messages, conv.tools, template, full)
+            full, _ = self._render(messages, conv.tools, template)
+            owners = self._ownership(messages, conv.tools, template, full)
+            located, role_tokens = self._rendered_spans(messages, conv.tools, template, full, owners)
             spans = list(located.values())
         _check_tools_rendered(conv, full, spans, located)
         if not self.spec.reasoning_in_loss:
             spans = _without_reasoning(full, spans)
-        return *self._tokenize(full, spans), _reasoning_warning(conv, full)
+        as_text: list[Span] = []
+        if self._special_in_assistant_text(messages):
+            if owners is None:
+                owners = self._ownership(messages, conv.tools, template, full)
+            as_text = _spelled_out(full, [*spans, *role_tokens], owners, messages, self._special_pattern)
+        ids, mask, exact, (starts, ends) = self._tokenize(full, [*spans, *role_tokens], as_text)
+        if owners is not None and located:
+            self._check_masked_tokens(starts, ends, len(mask), located, owners)
+        warnings = [_reasoning_warning(conv, full)]
+        if owners is not None and located is not None:
+            warnings.append(_dropped_text_warning(messages, located, owners, self._special_tokens))
+        return ids, mask, exact, "; ".join(w for w in warnings if w) or None
+
+    def _with_argument_texts(self, conv: Conversation, template: str) -> list[dict[str, Any]]:
+        """The messages as the template takes them: tool call arguments as their JSON text
+        (the record's own string where it gave one) for a template that joins strings."""
+        if not conv.argument_texts and not any(m.get("tool_calls") for m in conv.messages):
+            return conv.messages
+        if not self._arguments_as_text(template):
+            return conv.messages
+        messages = []
+        for i, message in enumerate(conv.messages):
+            if message.get("tool_calls"):
+                calls = []
+                for j, call in enumerate(message["tool_calls"]):
+                    function = call["function"]
+                    text = conv.argument_texts.get((i, j))
+                    if text is None:
+                        text = json.dumps(function["arguments"], ensure_ascii=False)
+                    calls.append({**call, "function": {**function, "arguments": text}})
+                message = {**message, "tool_calls": calls}
+            messages.append(message)
+        return messages
+
+    def _special_in_assistant_text(self, messages: list[dict[str, Any]]) -> bool:
+        """Whether an assistant message's text spells out one of the tokenizer's special tokens."""
+        pattern = self._special_pattern
+        if pattern is None:
+            return False
+        return any(pattern.search(_strings([m], None)) for m in messages if m["role"] == "assistant")
+
+    def _check_masked_tokens(
+        self, starts: np.ndarray, ends: np.ndarray, kept: int, located: dict[int, Span], owners: _Owners
+    ) -> None:
+        """Reject a sample where a token in the loss (of the first ``kept``) joins an assistant
+        turn's characters with another message's: every masked token must lie in the assistant's
+        own text or the template's."""
+        for i, (a, b) in located.items():
+            first = int(np.searchsorted(ends, a, "right"))
+            last = min(int(np.searchsorted(starts, b, "left")), kept)
+            if first >= last:
+                continue
+            reach = (int(starts[first]), int(ends[last - 1]))
+            other = owners.foreign(reach[0], a, i)
+            other = owners.foreign(b, reach[1], i) if other is None else other
+            if other is not None:
+                raise SampleRejected(
+                    f"{self.template_name}: a token of assistant message {i}'s turn also holds text of "
+                    f"message {other}, so it can be neither in the loss nor out of it"
+                )
 
     def _render(
         self,
@@ -359,96 +441,305 @@ class SampleEncoder:
                 position += len(part)
         return "".join(text), spans
 
-    def _diff_spans(
+    def _rendered_spans(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         template: str,
         full: str,
-    ) -> dict[int, Span]:
-        """The span of each assistant message (by index) that starts within the char budget."""
-        placeholder = next((p for p in _PLACEHOLDERS if p not in full), None)
-        if placeholder is None:
-            raise SampleRejected("the conversation holds the placeholders used to locate assistant turns")
-        stand_in = {"role": "assistant", "content": placeholder}
-        spans: dict[int, Span] = {}
+        owners: _Owners,
+    ) -> tuple[dict[int, Span], list[Span]]:
+        """Each assistant message's generated characters in ``full`` (by message index, those
+        within the char budget), and the next-role tokens that end turns (GLM's), found from the
+        template's own renders of the real conversation and checked against ``owners``."""
+        located: dict[int, Span] = {}
+        role_tokens: list[Span] = []
         previous_end = 0
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            alternative, _ = self._render([*messages[:i], stand_in, *messages[i + 1 :]], tools, template)
-            first = _common_prefix(full, alternative)
-            if first >= self.char_budget:
+            extent = owners.extent(i)
+            if extent is None:  # no text of its own (an empty answer): where text would go
+                at = self._insertion_point(messages, tools, template, full, i)
+                extent = (at, at, owners.before(at), owners.after(at))
+            first, last, lo, hi = extent
+            if first >= owners.limit:
                 break  # this turn and the later ones lie beyond what the tokenizer sees
-            region_end = len(full) - _common_suffix(full, alternative, first)
-            start = first
-            if i > 0:
-                start = self._turn_start(messages[:i], tools, template, full, previous_end, first, region_end)
-            upto, _ = self._render(messages[: i + 1], tools, template)
-            upto_alternative, _ = self._render([*messages[:i], stand_in], tools, template)
-            shared = _common_suffix(upto, upto_alternative, _common_prefix(upto, upto_alternative))
-            tail = upto[len(upto) - shared :].rstrip()  # the end-of-turn text
-            end = region_end + _common_prefix(full[region_end : region_end + len(tail)], tail)
-            if start < previous_end:
+            lo = max(lo, previous_end)
+            start = self._turn_start(messages, tools, template, full, i, first, lo)
+            end = self._turn_end(messages, tools, template, full, i, last, hi)
+            if not lo <= start <= first or not last <= end <= hi:
                 raise SampleRejected(
-                    f"chat template: the assistant tokens of message {i} cannot be located (its render "
-                    "overlaps the previous turn's); use a template with {% generation %} markers "
-                    "(data.chat_template)"
+                    f"{self.template_name}: the generated text of message {i} cannot be told apart from "
+                    "the other messages' (it would reach into them); use a template with {% generation %} "
+                    "markers (data.chat_template)"
                 )
-            spans[i] = (start, end)
+            located[i] = (start, end)
             previous_end = end
-        return spans
+            if self._ends_turns_by_next_role(template) and i + 1 < len(messages):
+                token = self._next_role_token(full, end, hi, messages[i + 1]["role"])
+                if token is not None:
+                    role_tokens.append(token)
+                    previous_end = token[1]
+        return located, role_tokens
 
     def _turn_start(
         self,
-        before: list[dict[str, Any]],
+        messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         template: str,
         full: str,
-        previous_end: int,
+        i: int,
         first: int,
-        region_end: int,
+        lo: int,
     ) -> int:
-        """Where the assistant turn after ``before`` starts in ``full``: after the render of
-        ``before`` with the generation prompt where ``full`` begins with it; else after the
-        generation prompt's own text, the last one between the previous turn's end and ``first``
-        (the turn's first character that depends on its message); else ``first``.
+        """Where assistant message ``i``'s generated text starts: after the generation prompt.
 
-        The second case: a template that renders the final message differently changes the
-        render of ``before`` when that ends in an assistant turn (Qwen3's adds an empty <think>
-        block to it), but the text it renders at the turn's start (that block) still follows
-        the generation prompt. The last one: only template text lies between it and ``first``,
-        the record's earlier turns before it."""
+        The render of the turns before it with the generation prompt, where ``full`` begins
+        with it; else that prompt's own text, the last one between the previous message's text
+        and the turn's (a template that renders a final message differently, as Qwen3's adds an
+        empty <think> block, changes the render before a second assistant turn in a row); else,
+        for a template that puts the prompt inside the previous message (DeepSeek-V3.2's ends a
+        user turn with ``<｜Assistant｜><think>`` and renders its generation prompt as an empty
+        user turn), where the message's text would go were its empty fields filled in (so an
+        empty reasoning's ``</think>`` counts), or its first character."""
+        prompt, _ = self._render(messages[:i], tools, template, generation_prompt=True)
+        if lo <= len(prompt) <= first and full.startswith(prompt):
+            return len(prompt)
+        context, _ = self._render(messages[:i], tools, template)
+        if prompt.startswith(context) and len(prompt) > len(context):
+            header = prompt[len(context) :]
+            at = full.rfind(header, lo, first)
+            if at >= 0:
+                return at + len(header)
+        at = self._insertion_point(messages, tools, template, full, i)
+        return at if lo <= at <= first else first
+
+    def _turn_end(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template: str,
+        full: str,
+        i: int,
+        last: int,
+        hi: int,
+    ) -> int:
+        """Where assistant message ``i``'s generated text ends: after the text the template
+        renders after its last character when it is the final message (the end-of-turn token,
+        whitespace after it excluded), as ``full`` has it."""
+        upto, _ = self._render(messages[: i + 1], tools, template)
+        if full.startswith(upto):
+            return max(len(upto.rstrip()), last)
+        shadow, _ = self._render([*messages[:i], self._shadow(messages[i], i)], tools, template)
+        own = _own_positions(upto, shadow, i)
+        if own is None:
+            raise SampleRejected(
+                f"{self.template_name}: the end of message {i}'s turn cannot be located (the template "
+                "renders the turn differently when its text changes); use a template with "
+                "{% generation %} markers (data.chat_template)"
+            )
+        if own.size:
+            after = int(own[-1]) + 1
+        else:
+            after = self._insertion_point(messages[: i + 1], tools, template, upto, i)
+        tail = upto[after:].rstrip()
+        return last + _common_prefix(full[last : last + len(tail)], tail)
+
+    def _insertion_point(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template: str,
+        full: str,
+        i: int,
+    ) -> int:
+        """The first character of ``full`` that changes when message ``i``'s empty content and
+        reasoning are filled in: where its text would start."""
+        filled = dict(messages[i])
+        mark = _mark(i, _CONTENT)
+        for key in ("content", "reasoning_content"):
+            if not filled.get(key):
+                filled[key] = mark
         try:
-            prompt, _ = self._render(before, tools, template, generation_prompt=True)
-            if full.startswith(prompt) and len(prompt) <= region_end:
-                return len(prompt)
-            context, _ = self._render(before, tools, template)
-        except SampleRejected:  # a template that will not end on this message
-            return first
-        header = prompt[len(context) :] if prompt.startswith(context) else ""
-        at = full.rfind(header, previous_end, first) if header else -1
-        return first if at < 0 else at + len(header)
+            probe, _ = self._render([*messages[:i], filled, *messages[i + 1 :]], tools, template)
+        except SampleRejected:
+            return len(full)
+        return _common_prefix(full, probe)
 
-    def _tokenize(self, full: str, spans: list[Span]) -> tuple[np.ndarray, np.ndarray, bool]:
+    def _ends_turns_by_next_role(self, template: str) -> bool:
+        """Whether the template leaves an assistant turn open, the model ending it by generating
+        the next role's token (GLM's: ``<|user|>``, ``<|observation|>``)."""
+        if template not in self._open_turns:
+            probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+            try:
+                text, _ = self._render(probe, None, template)
+                self._open_turns[template] = text.rstrip().endswith("Hello")
+            except SampleRejected:
+                self._open_turns[template] = False
+        return self._open_turns[template]
+
+    def _next_role_token(self, full: str, end: int, hi: int, role: str) -> Span | None:
+        """The special token that opens the next message right after a turn (whitespace
+        between them aside), where that message is the user's or a tool's: the model hands over
+        to them by generating it."""
+        if role not in ("user", "tool"):
+            return None
+        at = end
+        while at < hi and full[at].isspace():
+            at += 1
+        match = self._special_pattern.match(full, at) if self._special_pattern else None
+        return (at, match.end()) if match and match.end() <= hi else None
+
+    def _arguments_as_text(self, template: str) -> bool:
+        """Whether the template wants a tool call's ``arguments`` as the JSON string (it
+        renders a call's arguments only that way, as DeepSeek-V3.1's joins them with ``+``);
+        otherwise they go as the object most templates serialize themselves."""
+        if template not in self._argument_form:
+            value = "\ue021probe\ue021"
+
+            def renders(arguments: Any) -> bool:
+                call = {"type": "function", "function": {"name": "probe", "arguments": arguments}}
+                probe = [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "content": "ok"},
+                ]
+                try:
+                    return value in self._render(probe, None, template)[0]
+                except SampleRejected:
+                    return False
+
+            as_text = json.dumps({"key": value}, ensure_ascii=False)
+            self._argument_form[template] = not renders({"key": value}) and renders(as_text)
+        return self._argument_form[template]
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        """The special tokens that an assistant's text may not produce as such, longest first."""
+        tokens = self._special_tokens - REASONING_MARKERS
+        return re.compile("|".join(map(re.escape, sorted(tokens, key=len, reverse=True)))) if tokens else None
+
+    @functools.cached_property
+    def _special_tokens(self) -> frozenset[str]:
+        """The tokenizer's special tokens: those ``split_special_tokens`` splits."""
+        tokenizer = self.tokenizer
+        decoder = getattr(tokenizer, "added_tokens_decoder", {})
+        tokens = {t.content for t in decoder.values() if getattr(t, "special", False)}
+        return frozenset(t for t in tokens | set(tokenizer.all_special_tokens) if t)
+
+    def _shadow(self, message: dict[str, Any], j: int) -> dict[str, Any]:
+        """``message`` with each character of its texts (content, reasoning, tool call names and
+        argument values, a tool's name) replaced by a character that says message ``j`` and the
+        field. Kept as they are, so that the template takes the same branches and JSON-escapes
+        the same: whitespace, quotes, backslashes, control characters, and markup templates test
+        texts for (``</think>``, ``<tool_response>``, ``/no_think``) unless it is a special token."""
+        special = self._special_tokens - REASONING_MARKERS
+        shadow = dict(message)
+        for key, field in (("content", _CONTENT), ("reasoning_content", _REASONING), ("name", _NAME)):
+            if isinstance(shadow.get(key), str):
+                shadow[key] = _hide(shadow[key], _mark(j, field), special)
+        if message.get("tool_calls"):
+            mark = _mark(j, _CALLS)
+            shadow["tool_calls"] = [
+                {
+                    **call,
+                    "function": {
+                        **call["function"],
+                        "name": _hide(call["function"]["name"], mark, special),
+                        "arguments": _hide_values(call["function"]["arguments"], mark, special),
+                    },
+                }
+                for call in message["tool_calls"]
+            ]
+        return shadow
+
+    def _ownership(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: str, full: str
+    ) -> _Owners:
+        """Which message each character of ``full`` (up to the char budget) comes from: the
+        conversation rendered again with every text character of message j replaced by a
+        character of j's own (a shadow: same lengths, same structure, same tool calls), and the
+        two renders compared position by position."""
+        if 4 * len(messages) > _SHADOW_CODES:
+            raise SampleRejected(f"more than {_SHADOW_CODES // 4} messages: the turns cannot be located")
+        shadowed = [self._shadow(m, j) for j, m in enumerate(messages)]
+        shadow, _ = self._render(shadowed, tools, template)
+        limit = min(len(full), self.char_budget)
+        codes = _shadow_codes(full[:limit], shadow[:limit]) if len(shadow) == len(full) else None
+        if codes is None or (codes.size and int(codes.max()) >= 4 * len(messages)):
+            raise SampleRejected(
+                f"{self.template_name}: the assistant turns cannot be located: the template renders this "
+                "conversation differently when only the characters of its texts change (it tests or measures "
+                "them); use a template with {% generation %} markers (data.chat_template)"
+            )
+        return _Owners(codes, len(full))
+
+    def _tokenize(
+        self, full: str, spans: list[Span], as_text: list[Span]
+    ) -> tuple[np.ndarray, np.ndarray, bool, tuple[np.ndarray, np.ndarray]]:
         """Token ids and mask of ``full`` (cut to what max_length can use); whether the
-        ids are all of ``full``'s tokens."""
+        ids are all of ``full``'s tokens; the tokens' character offsets. The special tokens
+        at ``as_text`` (spelled out in an assistant's text) are tokenized as text."""
         budget = self.char_budget
         cut = len(full) > budget
-        ids, starts, ends = self._tokens(full[:budget] if cut else full)
+        ids, starts, ends = self._text_tokens(full[:budget] if cut else full, as_text)
         if cut:
             keep = self.spec.max_length
             if len(ids) <= keep or ends[keep - 1] > budget - GUARD:
                 cut = False
-                ids, starts, ends = self._tokens(full)
+                ids, starts, ends = self._text_tokens(full, as_text)
         mask = np.zeros(len(ids), np.bool_)
         for a, b in spans:
             mask |= (starts < b) & (ends > a) & (ends > starts)
-        return ids, mask.astype(np.uint8), not cut
+        return ids, mask.astype(np.uint8), not cut, (starts, ends)
 
-    def _tokens(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _text_tokens(self, text: str, as_text: list[Span]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``_tokens``, except that the special tokens at ``as_text`` are split into the tokens
+        of their text (``split_special_tokens``): the text between the two special tokens around
+        each is tokenized again that way (a tokenizer splits text at special tokens first, so the
+        rest of the tokens are the same)."""
+        ids, starts, ends = self._tokens(text)
+        if not as_text:
+            return ids, starts, ends
+        special = np.isin(ids, self._special_ids)
+        split = {(a, b) for a, b in as_text}
+        at = [t for t in np.flatnonzero(special) if (int(starts[t]), int(ends[t])) in split]
+        if not at:
+            return ids, starts, ends
+        special[at] = False
+        kept = np.flatnonzero(special)
+        pieces = sorted({(int(np.searchsorted(kept, t)) - 1, int(np.searchsorted(kept, t))) for t in at})
+        parts_ids, parts_starts, parts_ends, done = [], [], [], 0
+        for before, after in pieces:
+            first = int(kept[before]) + 1 if before >= 0 else 0
+            last = int(kept[after]) if after < kept.size else len(ids)
+            a = int(ends[first - 1]) if first > 0 else 0
+            b = int(starts[last]) if last < len(ids) else len(text)
+            piece_ids, piece_starts, piece_ends = self._tokens(text[a:b], split_special_tokens=True)
+            parts_ids += [ids[done:first], piece_ids]
+            parts_starts += [starts[done:first], piece_starts + a]
+            parts_ends += [ends[done:first], piece_ends + a]
+            done = last
+        parts_ids.append(ids[done:])
+        parts_starts.append(starts[done:])
+        parts_ends.append(ends[done:])
+        return np.concatenate(parts_ids), np.concatenate(parts_starts), np.concatenate(parts_ends)
+
+    @functools.cached_property
+    def _special_ids(self) -> np.ndarray:
+        return np.asarray(self.tokenizer.convert_tokens_to_ids(sorted(self._special_tokens)), np.int64)
+
+    def _tokens(
+        self, text: str, *, split_special_tokens: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         try:
-            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            enc = self.tokenizer(
+                text,
+                add_special_tokens=False,
+                return_offsets_mapping=True,
+                **({"split_special_tokens": True} if split_special_tokens else {}),
+            )
         except Exception as exc:
             raise SampleRejected(f"the tokenizer rejected the rendered text: {exc}") from None
         ids = np.asarray(enc["input_ids"], np.int32)
@@ -524,18 +815,151 @@ def _common_prefix(a: str, b: str) -> int:
     return n
 
 
-def _common_suffix(a: str, b: str, prefix: int) -> int:
-    """Length of the longest common suffix that does not reach into the first ``prefix`` characters."""
-    n = min(len(a), len(b)) - prefix
-    i = 0
-    while i < n:
-        j = min(i + _COMPARE_STEP, n)
-        if a[len(a) - j : len(a) - i] != b[len(b) - j : len(b) - i]:
-            while a[len(a) - 1 - i] == b[len(b) - 1 - i]:
-                i += 1
-            return i
-        i = j
-    return n
+# Shadow characters (Supplementary Private Use Area-A), four a message: one a field.
+_SHADOW_BASE = 0xF0000
+_SHADOW_CODES = 0xFFFFE - _SHADOW_BASE
+_CONTENT, _REASONING, _CALLS, _NAME = range(4)
+# Markup templates test texts for: kept in a shadow (unless a special token), so that a
+# template splits or tests the shadow's texts as it does the real ones.
+_MARKUP = re.compile(r"</?[A-Za-z_][\w:.-]*>|/no_?think\b|/think\b")
+# What a shadow replaces: all but whitespace, quotes, backslashes and control characters,
+# which JSON (tojson) would escape to other lengths.
+_HIDDEN = re.compile(r'[^\s"\\\x00-\x1f]+')
+# Reasoning markers: templates parse them out of texts and models generate them, so they are
+# never split as text, even where a tokenizer calls them special.
+REASONING_MARKERS = frozenset({THINK_OPEN, THINK_CLOSE})
+
+
+def _mark(j: int, field: int) -> str:
+    return chr(_SHADOW_BASE + 4 * j + field)
+
+
+def _hide(text: str, mark: str, special: frozenset[str]) -> str:
+    """``text`` with each character ``_HIDDEN`` matches replaced by ``mark``, except in markup
+    other than special tokens."""
+
+    def hide(run: re.Match[str]) -> str:
+        return mark * len(run.group())
+
+    parts, position = [], 0
+    for markup in _MARKUP.finditer(text):
+        parts.append(_HIDDEN.sub(hide, text[position : markup.start()]))
+        tag = markup.group()
+        parts.append(_HIDDEN.sub(hide, tag) if tag in special else tag)
+        position = markup.end()
+    parts.append(_HIDDEN.sub(hide, text[position:]))
+    return "".join(parts)
+
+
+def _hide_values(value: Any, mark: str, special: frozenset[str]) -> Any:
+    """Tool call arguments with their strings (text, or an object's values) hidden; keys kept."""
+    if isinstance(value, str):
+        return _hide(value, mark, special)
+    if isinstance(value, dict):
+        return {key: _hide_values(item, mark, special) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_hide_values(item, mark, special) for item in value]
+    return value
+
+
+def _shadow_codes(text: str, shadow: str) -> np.ndarray | None:
+    """Per character of ``text``: the shadow code (4 x message + field) where ``shadow`` has a
+    shadow character instead, else -1; None where the two differ otherwise (not aligned)."""
+    a = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
+    b = np.frombuffer(shadow.encode("utf-32-le", "surrogatepass"), np.uint32)
+    if a.shape != b.shape:
+        return None
+    differ = a != b
+    marks = b[differ].astype(np.int64) - _SHADOW_BASE
+    if marks.size and (int(marks.min()) < 0 or int(marks.max()) >= _SHADOW_CODES):
+        return None
+    codes = np.full(a.shape, -1, np.int32)
+    codes[differ] = marks
+    return codes
+
+
+def _own_positions(text: str, shadow: str, i: int) -> np.ndarray | None:
+    """The positions of message ``i``'s characters in ``text`` (None: not aligned)."""
+    codes = _shadow_codes(text, shadow)
+    return None if codes is None else np.flatnonzero((codes >= 0) & (codes // 4 == i))
+
+
+class _Owners:
+    """Which message each character of a render comes from (up to ``limit``), from its shadow."""
+
+    def __init__(self, codes: np.ndarray, length: int) -> None:
+        self.codes = codes
+        self.limit = len(codes)
+        self.length = length  # of the whole render
+        self.owner = np.where(codes >= 0, codes // 4, -1)
+        self.positions = np.flatnonzero(codes >= 0)
+        owners = self.owner[self.positions]
+        self._order = np.argsort(owners, kind="stable")
+        self._sorted = owners[self._order]
+
+    @property
+    def _end(self) -> int:
+        """Where nothing more is known: the render's end, or the limit where it was cut."""
+        return self.length if self.limit == self.length else self.limit
+
+    def extent(self, i: int) -> tuple[int, int, int, int] | None:
+        """Message ``i``'s characters: (first, end, after the previous message's, the next
+        message's first); None if it has none. SampleRejected where another message's
+        characters lie between its own."""
+        a = int(np.searchsorted(self._sorted, i, "left"))
+        b = int(np.searchsorted(self._sorted, i, "right"))
+        if a == b:
+            return None
+        first = int(self.positions[self._order[a]])
+        last = int(self.positions[self._order[b - 1]]) + 1
+        k = int(np.searchsorted(self.positions, first, "left"))
+        k_end = int(np.searchsorted(self.positions, last, "left"))
+        if k_end - k != b - a:
+            other = int(self.owner[self.positions[k:k_end]][self.owner[self.positions[k:k_end]] != i][0])
+            raise SampleRejected(
+                f"the chat template renders message {other}'s text inside assistant message {i}'s turn: "
+                "the turn cannot be masked"
+            )
+        return first, last, self.before(first), self.after(last)
+
+    def before(self, at: int) -> int:
+        """Just after the last owned character before ``at`` (0 if none)."""
+        k = int(np.searchsorted(self.positions, at, "left"))
+        return int(self.positions[k - 1]) + 1 if k else 0
+
+    def after(self, at: int) -> int:
+        """The first owned character at or after ``at`` (the end if none)."""
+        k = int(np.searchsorted(self.positions, at, "left"))
+        return int(self.positions[k]) if k < self.positions.size else self._end
+
+    def foreign(self, a: int, b: int, i: int) -> int | None:
+        """A message other than ``i`` with a character in [a, b), if any."""
+        owner = self.owner[max(a, 0) : min(b, self.limit)]
+        other = owner[(owner >= 0) & (owner != i)]
+        return int(other[0]) if other.size else None
+
+    def count(self, i: int, field: int) -> int:
+        return int(np.count_nonzero(self.codes == 4 * i + field))
+
+
+def _spelled_out(
+    full: str,
+    spans: list[Span],
+    owners: _Owners,
+    messages: list[dict[str, Any]],
+    pattern: re.Pattern[str] | None,
+) -> list[Span]:
+    """The special tokens in ``spans`` whose characters all come from an assistant message's
+    text: to be tokenized as the text they are."""
+    found: list[Span] = []
+    if pattern is None:
+        return found
+    for a, b in spans:
+        for match in pattern.finditer(full, a, min(b, owners.limit)):
+            owner = owners.owner[match.start() : match.end()]
+            if (owner >= 0).all() and (owner == owner[0]).all() and messages[owner[0]]["role"] == "assistant":
+                found.append((match.start(), match.end()))
+    return found
 
 
 def _without_reasoning(text: str, spans: list[Span]) -> list[Span]:
@@ -621,6 +1045,35 @@ def _reasoning_warning(conv: Conversation, full: str) -> str | None:
     reasoning = [r.strip() for m in conv.messages if (r := m.get("reasoning_content")) and r.strip()]
     if reasoning and not any(r in full for r in reasoning):
         return REASONING_NOT_RENDERED
+    return None
+
+
+TEXT_DROPPED = (
+    "the chat template left out part of an assistant message's content: it holds a literal '</think>' "
+    "(not after a leading <think>), and the template takes all before it as reasoning, which it drops "
+    "from this turn; the sample is written as rendered; to keep the text, rephrase the tag in the record "
+    "or put the reasoning in reasoning_content"
+)
+
+
+def _dropped_text_warning(
+    messages: list[dict[str, Any]], located: dict[int, Span], owners: _Owners, special: frozenset[str]
+) -> str | None:
+    """TEXT_DROPPED where the render holds fewer of an assistant content's characters than the
+    content has outside a leading <think>...</think> block (reasoning, whose dropping is the
+    template's way), and the content has a '</think>' further in."""
+    for i, (_, end) in located.items():
+        content = messages[i].get("content")
+        if not isinstance(content, str) or THINK_CLOSE not in content or end >= owners.limit < owners.length:
+            continue
+        text = content.lstrip()
+        if text.startswith(THINK_OPEN) and THINK_CLOSE in text:
+            text = text[text.index(THINK_CLOSE) + len(THINK_CLOSE) :]
+        if THINK_CLOSE not in text:
+            continue
+        mark = _mark(i, _CONTENT)
+        if owners.count(i, _CONTENT) < _hide(text, mark, special - REASONING_MARKERS).count(mark):
+            return TEXT_DROPPED
     return None
 
 

@@ -12,7 +12,8 @@ calling included (the OpenAI shape):
   "id": str}]}``: ``content`` is "" when the turn only calls tools (OpenAI's
   ``content: null``, which vLLM also hands templates as ""), the other keys only
   when given; ``arguments`` parsed from OpenAI's JSON string into the object
-  templates serialize themselves;
+  most templates serialize themselves (the record's own string is kept in
+  ``Conversation.argument_texts`` for templates that join strings, DeepSeek-V3.1's);
 * ``{"role": "tool", "content": str, "tool_call_id": str, "name": str}``;
 * tool definitions as ``[{"type": "function", "function": {...}}]``.
 
@@ -30,6 +31,7 @@ reject the sample).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +69,8 @@ class SampleRejected(Exception):
 class Conversation:
     messages: list[dict[str, Any]]  # in the shape described in the module docstring
     tools: list[dict[str, Any]] | None = None
+    # (message, call) -> the arguments as the record wrote them, where it wrote a JSON string
+    argument_texts: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -234,8 +238,17 @@ def _parse_sharegpt(value: dict[str, Any]) -> Conversation:
     return _conversation(messages, _tools(value.get("tools"), "tools"))
 
 
+_ARGUMENTS_TEXT = "\ue0ffarguments_text"  # a call's key until _conversation moves it out of the message
+
+
 def _conversation(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Conversation:
-    return Conversation(messages, tools)
+    texts = {
+        (i, j): call.pop(_ARGUMENTS_TEXT)
+        for i, message in enumerate(messages)
+        for j, call in enumerate(message.get("tool_calls", ()))
+        if _ARGUMENTS_TEXT in call
+    }
+    return Conversation(messages, tools, texts)
 
 
 def _assistant(
@@ -319,6 +332,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise SampleRejected(f"{at}.function.name: missing or not a string")
         arguments = _first(function, "arguments", "parameters")
         arguments = {} if arguments is None else arguments
+        text = arguments if isinstance(arguments, str) and arguments.strip() else None
         if isinstance(arguments, str):
             arguments = _json_value(arguments, f"{at}.function.arguments") if arguments.strip() else {}
         if not isinstance(arguments, dict):
@@ -328,6 +342,8 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
         if isinstance(call.get("id"), str):
             entry["id"] = call["id"]
+        if text is not None:
+            entry[_ARGUMENTS_TEXT] = text
         normalized.append(entry)
     return normalized
 
