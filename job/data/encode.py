@@ -458,7 +458,10 @@ class SampleEncoder:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            extent = owners.extent(i)
+            try:
+                extent = owners.extent(i)
+            except SampleRejected as exc:
+                raise SampleRejected(f"{self.template_name}: {exc}") from None
             if extent is None:  # no text of its own (an empty answer): where text would go
                 at = self._insertion_point(messages, tools, template, full, i)
                 extent = (at, at, owners.before(at), owners.after(at))
