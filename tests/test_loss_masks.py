@@ -2,7 +2,7 @@
 
 Both ways of finding assistant tokens must agree exactly: transformers'
 ``return_assistant_tokens_mask`` on a template with ``{% generation %}`` markers, and
-the prefix-diff fallback on the same template without them (how most released models
+the rendered-turns method on the same template without them (how most released models
 ship it). And the mask must cover exactly each assistant message's content plus its
 end-of-turn token: nothing of the system prompt, the user turns or the role headers.
 """
@@ -156,7 +156,7 @@ def test_mask_is_exactly_assistant_content_and_end_of_turn(
 
 
 def test_same_assistant_text_as_user_text_is_masked_only_in_assistant_turn(style: dict[str, Any]) -> None:
-    # The prefix diff locates turns by position, not by text: an answer that repeats the
+    # The rendered turns are located by position, not by text: an answer that repeats the
     # question must not pull the user's copy into the mask.
     record = openai_record([("Echo this.", "Echo this.")])
     for method in ("markers", "prefix_diff"):
@@ -310,7 +310,7 @@ def test_qwen3_template_drops_earlier_reasoning_and_marks_the_final_turn(
     builtin_model: Callable[[str], Path],
 ) -> None:
     # Not prefix-stable: the render of a turn as the last one has a <think> block the
-    # whole conversation's does not. The prefix diff must still find each turn.
+    # whole conversation's does not. The rendered turns must still be found.
     record = {
         "messages": [
             {"role": "user", "content": "Hi"},

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         _child(args.child, args.model, args.max_length, limit, args.prefix_diff)
         return 0
-    method = "prefix-diff" if args.prefix_diff else "the template's own"
+    method = "rendered-turns" if args.prefix_diff else "the template's own"
     print(
         f"model {args.model} (mask: {method}), data.max_length {args.max_length}, "
         f"data.max_record_bytes {args.max_record_bytes}\n"

@@ -1005,7 +1005,7 @@ def _check_tools_rendered(
 ) -> None:
     """Reject a conversation whose tool parts the template left out of the text.
 
-    ``located``: each assistant message's span where known (prefix-diff); a message
+    ``located``: each assistant message's span where known (rendered-turns); a message
     without one lies beyond what the tokenizer sees and is not checked."""
     generated = "".join(full[a:b] for a, b in spans)
     for i, message in enumerate(conv.messages):
