@@ -451,3 +451,19 @@ def test_special_tokens_in_assistant_text_under_a_marked_template(builtin_model:
     eot = encoder.tokenizer.convert_tokens_to_ids("<|eot_id|>")
     text = encoder.tokenizer("Sure." + fake, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     assert masked == [*text, eot]
+
+
+def test_a_conversation_may_open_with_the_assistant(family: dict[str, Any]) -> None:
+    # Nothing before the first turn to render with a generation prompt (templates that index
+    # messages[0] refuse the empty list): the turn is found all the same.
+    record = {
+        "messages": [
+            {"role": "assistant", "content": "Welcome!"},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+        ]
+    }
+    result = family["encoder"].encode("s", record, None)
+    assert isinstance(result, EncodedSample), result
+    masked = family["tokenizer"].decode(result.input_ids[result.loss_mask == 1])
+    assert masked.index("Welcome!") < masked.index("Hello.") and "Hi" not in masked

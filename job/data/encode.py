@@ -506,10 +506,13 @@ class SampleEncoder:
         user turn with ``<｜Assistant｜><think>`` and renders its generation prompt as an empty
         user turn), where the message's text would go were its empty fields filled in (so an
         empty reasoning's ``</think>`` counts), or its first character."""
-        prompt, _ = self._render(messages[:i], tools, template, generation_prompt=True)
-        if lo <= len(prompt) <= first and full.startswith(prompt):
+        try:
+            prompt, _ = self._render(messages[:i], tools, template, generation_prompt=True)
+            context, _ = self._render(messages[:i], tools, template)
+        except SampleRejected:  # a template that will not render the turns before it alone
+            prompt = context = ""
+        if prompt and lo <= len(prompt) <= first and full.startswith(prompt):
             return len(prompt)
-        context, _ = self._render(messages[:i], tools, template)
         if prompt.startswith(context) and len(prompt) > len(context):
             header = prompt[len(context) :]
             at = full.rfind(header, lo, first)

@@ -1,13 +1,13 @@
 """Samples per second of tokenizing and masking agentic conversations (CPU, one process).
 
 ``python -m job.data.maskbench --template tests/templates/Qwen-Qwen3-0.6B.jinja`` generates
-``--records`` conversations (a system prompt, two user questions, each answered after rounds
-of reasoning and one or two tool calls (``--most-calls``) with their results: 12 to 20 messages), encodes them
-with ``job.data.encode.SampleEncoder`` as a data worker does, and prints samples/s and tokens/s
-for the template given (``data.chat_template``) on the tokenizer of ``--model``. Run it
-against another checkout's ``job`` (``PYTHONPATH``) to compare. Not a test: the figures depend
-on the machine.
-"""
+``--records`` conversations (a system prompt, two user questions, each answered after one to
+three rounds of reasoning and one or two tool calls (``--most-calls``) with their results: 9 to
+23 messages), encodes them with ``job.data.encode.SampleEncoder`` as a data worker does, and
+prints samples and tokens per CPU second of the process (on a shared machine steadier than wall
+time; both are printed) for the template given (``data.chat_template``) on the tokenizer of
+``--model``. Run it against another checkout's ``job`` (``PYTHONPATH``) to compare. Not a test:
+the figures depend on the machine."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     records = [conversation(rng, args.most_calls) for _ in range(args.records)]
     encoder.encode("warm-up", records[0], None)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     written = tokens = 0
     reasons: set[str] = set()
     for n, record in enumerate(records):
@@ -119,10 +119,11 @@ def main(argv: list[str] | None = None) -> int:
             written, tokens = written + 1, tokens + result.num_tokens
         else:
             reasons.add(result.reason)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     print(
         f"{args.records} records, {Path(args.template).name} on {args.model}'s tokenizer: "
-        f"{args.records / seconds:.1f} samples/s, {tokens / seconds:,.0f} tokens/s, {written} written"
+        f"{args.records / cpu:.1f} samples per CPU second ({args.records / seconds:.1f} samples/s wall), "
+        f"{tokens / cpu:,.0f} tokens per CPU second, {written} written"
         + (f", rejected: {sorted(reasons)}" if reasons else "")
     )
     return 0
