@@ -508,11 +508,11 @@ class SampleEncoder:
         empty reasoning's ``</think>`` counts), or its first character."""
         try:
             prompt, _ = self._render(messages[:i], tools, template, generation_prompt=True)
-            context, _ = self._render(messages[:i], tools, template)
         except SampleRejected:  # a template that will not render the turns before it alone
-            prompt = context = ""
+            prompt = ""
         if prompt and lo <= len(prompt) <= first and full.startswith(prompt):
             return len(prompt)
+        context = self._render(messages[:i], tools, template)[0] if prompt else ""
         if prompt.startswith(context) and len(prompt) > len(context):
             header = prompt[len(context) :]
             at = full.rfind(header, lo, first)
