@@ -467,3 +467,20 @@ def test_a_conversation_may_open_with_the_assistant(family: dict[str, Any]) -> N
     assert isinstance(result, EncodedSample), result
     masked = family["tokenizer"].decode(result.input_ids[result.loss_mask == 1])
     assert masked.index("Welcome!") < masked.index("Hello.") and "Hi" not in masked
+
+
+@pytest.mark.parametrize("count", [400, 16_400])
+def test_a_long_conversation_cut_by_max_length(tmp_path: Path, count: int) -> None:
+    # The tokenizer sees only the first max_length tokens' worth of text; a turn may straddle that
+    # cut. Past 16,383 messages (those with shadow characters of their own) the later ones, past
+    # that text, are left as they are once the first ones render all of it.
+    path = build_tokenizer("qwen3", tmp_path / "tok")
+    encoder = SampleEncoder(EncoderSpec(str(path), None, "auto", 64, "truncate", 2048))
+    messages = [{"role": "user" if n % 2 == 0 else "assistant", "content": f"turn {n}"} for n in range(count)]
+    result = encoder.encode("s", {"messages": messages}, None)
+    assert isinstance(result, EncodedSample) and result.truncated, result
+    family = {"tokenizer": encoder.tokenizer}
+    full = encoder.tokenizer.apply_chat_template(messages, tokenize=False)
+    ids, mask = expected_mask(family, full, [f"turn {n}<|im_end|>" for n in range(1, 40, 2)])
+    assert result.input_ids.tolist() == ids[:64]
+    assert result.loss_mask.tolist() == mask[:64]

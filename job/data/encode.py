@@ -58,7 +58,7 @@ import dataclasses
 import functools
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -368,7 +368,7 @@ class SampleEncoder:
         pattern = self._special_pattern
         if pattern is None:
             return False
-        return any(pattern.search(_strings([m], None)) for m in messages if m["role"] == "assistant")
+        return any(pattern.search(text) for m in messages if m["role"] == "assistant" for text in _texts(m))
 
     def _check_masked_tokens(
         self, starts: np.ndarray, ends: np.ndarray, kept: int, located: dict[int, Span], owners: _Owners
@@ -667,11 +667,19 @@ class SampleEncoder:
         conversation rendered again with every text character of message j replaced by a
         character of j's own (a shadow: same lengths, same structure, same tool calls), and the
         two renders compared position by position."""
-        if 4 * len(messages) > _SHADOW_CODES:
-            raise SampleRejected(f"more than {_SHADOW_CODES // 4} messages: the turns cannot be located")
-        shadowed = [self._shadow(m, j) for j, m in enumerate(messages)]
-        shadow, _ = self._render(shadowed, tools, template)
         limit = min(len(full), self.char_budget)
+        named = min(len(messages), _SHADOW_CODES // 4)
+        if named < len(messages):
+            # More messages than shadow characters: the later ones must lie past what the
+            # tokenizer sees, the render of the first ones alone covering all of it.
+            head, _ = self._render(messages[:named], tools, template)
+            if _common_prefix(full, head) < limit:
+                raise SampleRejected(
+                    f"{self.template_name}: more than {named} messages, and the first {named} do not render "
+                    "all the text the tokenizer sees: the turns cannot be located"
+                )
+        shadowed = [self._shadow(m, j) if j < named else m for j, m in enumerate(messages)]
+        shadow, _ = self._render(shadowed, tools, template)
         codes = _shadow_codes(full[:limit], shadow[:limit]) if len(shadow) == len(full) else None
         if codes is None or (codes.size and int(codes.max()) >= 4 * len(messages)):
             raise SampleRejected(
@@ -696,8 +704,10 @@ class SampleEncoder:
                 cut = False
                 ids, starts, ends = self._text_tokens(full, as_text)
         mask = np.zeros(len(ids), np.bool_)
+        reach = int(ends[-1]) if len(ends) else 0
         for a, b in spans:
-            mask |= (starts < b) & (ends > a) & (ends > starts)
+            if a < reach:  # a span past the last token kept masks none
+                mask |= (starts < b) & (ends > a) & (ends > starts)
         return ids, mask.astype(np.uint8), not cut, (starts, ends)
 
     def _text_tokens(self, text: str, as_text: list[Span]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -857,6 +867,28 @@ def _hide(text: str, mark: str, special: frozenset[str]) -> str:
     return "".join(parts)
 
 
+def _texts(message: dict[str, Any]) -> Iterator[str]:
+    """A message's texts: content, reasoning, tool call names and argument strings."""
+    for key in ("content", "reasoning_content"):
+        if isinstance(message.get(key), str):
+            yield message[key]
+    for call in message.get("tool_calls") or ():
+        yield call["function"]["name"]
+        yield from _leaves(call["function"]["arguments"])
+
+
+def _leaves(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        yield from value.keys()
+        for item in value.values():
+            yield from _leaves(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _leaves(item)
+
+
 def _hide_values(value: Any, mark: str, special: frozenset[str]) -> Any:
     """Tool call arguments with their strings (text, or an object's values) hidden; keys kept."""
     if isinstance(value, str):
@@ -905,8 +937,9 @@ class _Owners:
 
     @property
     def _end(self) -> int:
-        """Where nothing more is known: the render's end, or the limit where it was cut."""
-        return self.length if self.limit == self.length else self.limit
+        """The end of the render: past ``limit`` nothing is known, nor needed (the tokens kept
+        end GUARD characters before it)."""
+        return self.length
 
     def extent(self, i: int) -> tuple[int, int, int, int] | None:
         """Message ``i``'s characters: (first, end, after the previous message's, the next
