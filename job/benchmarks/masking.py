@@ -1,6 +1,6 @@
 """Samples per second of tokenizing and masking agentic conversations (CPU, one process).
 
-``python -m job.data.maskbench --template tests/templates/Qwen-Qwen3-0.6B.jinja`` generates
+``python -m job.benchmarks.masking --template tests/templates/Qwen-Qwen3-0.6B.jinja`` generates
 ``--records`` conversations (a system prompt, two user questions, each answered after one to
 three rounds of reasoning and one or two tool calls (``--most-calls``) with their results: 9 to
 23 messages), encodes them with ``job.data.encode.SampleEncoder`` as a data worker does, and
@@ -86,7 +86,7 @@ def conversation(rng: random.Random, most_calls: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m job.data.maskbench", description=__doc__.split("\n\n")[0]
+        prog="python -m job.benchmarks.masking", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--template", required=True, help="a chat template file (data.chat_template)")
     parser.add_argument("--model", default="builtin:tiny-qwen3", help="whose tokenizer")
