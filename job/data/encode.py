@@ -37,7 +37,9 @@ record's JSON text.
 
 A template that drops a record's tool calls, tool definitions or tool results
 from the text (one written for plain chat) rejects the sample instead of
-silently training on half of it.
+silently training on half of it. One that drops part of an assistant's content
+(a literal ``</think>`` in an earlier answer, read as the end of its reasoning)
+writes the sample as rendered with the TEXT_DROPPED warning.
 
 Memory: the tokenizer sees at most ``max_length * L + GUARD`` characters of
 the rendered text, L being the longest token of the vocabulary in characters
@@ -684,8 +686,8 @@ class SampleEncoder:
         if codes is None or (codes.size and int(codes.max()) >= 4 * len(messages)):
             raise SampleRejected(
                 f"{self.template_name}: the assistant turns cannot be located: the template renders this "
-                "conversation differently when only the characters of its texts change (it tests or measures "
-                "them); use a template with {% generation %} markers (data.chat_template)"
+                "conversation differently when only the characters of its texts change (it tests them); use "
+                "a template with {% generation %} markers (data.chat_template)"
             )
         return _Owners(codes, len(full))
 
