@@ -215,7 +215,7 @@ class IndexRun:
             return self._given_backend
         setup = self.setup
         with exit_on_stop_signal("engine_startup"):  # vLLM's start-up does not look at the stop flag
-            backend = create_backend(setup.settings, setup.model, setup.layer_ids, setup.dtype)
+            backend = create_backend(setup)
         cleanup.callback(backend.close)
         return backend
 
