@@ -6,6 +6,7 @@ engine part runs on vLLM in tests/test_vllm_preflight.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,27 @@ def test_a_pattern_the_overrides_cannot_express_keeps_full_depth() -> None:
     config = {"num_hidden_layers": 12, "n_routed_experts": 8, "first_k_dense_replace": 1, "moe_layer_freq": 3}
     reduction = reduce_depth(config, [2, 6, 9, 12])
     assert reduction.why_full is not None and reduction.depth == 12 and reduction.hf_overrides == {}
+
+
+def test_the_reduced_engine_keeps_the_users_own_config_overrides() -> None:
+    """engine_args.hf_overrides (e.g. DeepSeek's router in float32, docs/gpu.md) stay in the
+    preflight's engine; the reduction adds its layer keys, inside a text_config too."""
+    from job.backends.vllm_engine import EngineSpec
+    from job.model import resolve_model
+    from job.settings import JobSettings
+
+    user = {"hf_overrides": {"moe_router_dtype": "float32", "text_config": {"rope_theta": 5.0}}}
+    settings = JobSettings(backend={"name": "vllm", "vllm": {"engine_args": user}})
+    reduction = reduce_depth(KIMI_K2, eagle3_default_layer_ids(61))
+    spec = EngineSpec.of(settings, generating=False)
+    dummy = replace(spec, dummy_weights=True, hf_overrides=reduction.hf_overrides)
+    kwargs = dummy.engine_kwargs(resolve_model(settings.model))
+    assert kwargs["load_format"] == "dummy"
+    assert kwargs["hf_overrides"] == {
+        "moe_router_dtype": "float32",
+        "text_config": {"rope_theta": 5.0, "num_hidden_layers": 5, "first_k_dense_replace": 1},
+    }
+    assert "load_format" not in spec.engine_kwargs(resolve_model(settings.model))
 
 
 def test_the_local_probe_leaves_nothing_behind(tmp_path: Path) -> None:

@@ -107,9 +107,18 @@ class EngineSpec:
         }
         if self.dummy_weights:
             kwargs["load_format"] = "dummy"
-        if self.hf_overrides:
-            kwargs["hf_overrides"] = self.hf_overrides
+        if self.hf_overrides:  # over the user's own (engine_args), which keep what they set
+            kwargs["hf_overrides"] = _merged(options.engine_args.get("hf_overrides") or {}, self.hf_overrides)
         return kwargs
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``, nested dicts (a ``text_config``) merged key by key."""
+    out = dict(base)
+    for key, value in over.items():
+        nested = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if nested else value
+    return out
 
 
 @dataclass
