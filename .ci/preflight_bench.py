@@ -124,6 +124,7 @@ def main() -> None:
                 "notes": "process wall times; run without preflight; CPU build, shared 2-core machine",
             }
             rows.append(row)
+            print(json.dumps(row), flush=True)
             print(
                 f"{case}: preflight {preflight_s:.1f} s {report['seconds']} (depth {row['reduced_depth']}); "
                 f"run {run_s:.1f} s, its engine start-up {startup:.1f} s; load {row['load_average']}",
