@@ -6,7 +6,7 @@ installed vLLM: ``python -m job preflight`` (wall time, and the report's seconds
 start-up: ``adapter_selected`` to ``vllm_ready``). Prints a table and appends one row per case to
 docs/benchmarks/results.jsonl (``config: preflight``).
 
-    PYTHONPATH=. python .ci/preflight_bench.py --cases llama-compiled,llama-eager,deepseek-compiled
+    python -m job.benchmarks.preflight_time --cases llama-compiled,llama-eager,deepseek-compiled
 
 CPU settings as the tests use them (vLLM's CPU build): a 1 GiB KV cache, 16-token blocks.
 """
@@ -25,7 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "docs" / "benchmarks" / "results.jsonl"
 COMMON = (
     "--backend.name=vllm",
