@@ -163,8 +163,8 @@ def preflight(settings: JobSettings) -> PreflightReport:
 
 
 class _stage:
-    """Time a stage; an unexpected error in it becomes PreflightFailed naming the stage (and the
-    concern, where the error names one)."""
+    """Time a stage; an error in it that is no JobError (those name their setting and keep their
+    exit code) becomes PreflightFailed naming the stage and the error."""
 
     def __init__(self, report: PreflightReport, name: str) -> None:
         self.report, self.name = report, name

@@ -68,11 +68,8 @@ class VllmBackend(Backend):
         self.log = get_logger(component="vllm_backend")
         self.engine: Engine = build_engine(spec, model, layer_ids, dtype, self.log)
         engine = self.engine
-        self.adapters, self.vllm_version, self.vllm_config = (
-            engine.adapters,
-            engine.vllm_version,
-            engine.vllm_config,
-        )
+        self.adapters, self.vllm_version = engine.adapters, engine.vllm_version
+        self.vllm_config = engine.vllm_config
         self.executor, self.ring, self.scheduler = engine.executor, engine.ring, engine.scheduler
         scheduler_config = self.vllm_config.scheduler_config
         self.max_num_seqs = scheduler_config.max_num_seqs
