@@ -33,12 +33,14 @@ COMMANDS = {
     "run": "extract hidden states for this work index (the default command)",
     "config": "print the effective settings (secrets redacted) and exit",
     "plan": "read and tokenize the data; print samples, tokens, bytes and shards for this index",
+    "preflight": "check that `run` with these settings works: data, output, and the vLLM engine on dummy "
+    "weights at reduced depth (what `run` does first with the vLLM backend)",
     "inspect": "summarize a shard file or an output directory (local or s3://)",
     "compare": "compare two outputs sample by sample (PATH = candidate, --reference = e.g. the HF output)",
     "bench": "throughput benchmark on a GPU (see docs/benchmarks.md; `bench --help`)",
     "export": "convert an output (SRC) into another trainer's layout in DST (--format speculators)",
 }
-_TAKE_SETTINGS = ("run", "config", "plan")
+_TAKE_SETTINGS = ("run", "config", "plan", "preflight")
 
 
 def tool_version() -> str:
@@ -183,6 +185,14 @@ def _run_command(command: str, settings: JobSettings) -> int:
             from job.plan import plan_index
 
             print(plan_index(settings))
+            return EXIT_OK
+        if command == "preflight":
+            from job.logs import configure_logging as reconfigure
+            from job.preflight import PREFLIGHT_EVENTS, preflight
+
+            reconfigure(settings.log, event_prefix=PREFLIGHT_EVENTS)
+            with exit_on_stop_signal("preflight"):
+                print(preflight(settings).text())
             return EXIT_OK
         with exit_on_stop_signal("startup"):
             from job.pipeline.runner import run_job

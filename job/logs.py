@@ -107,8 +107,10 @@ scrubber = _SecretScrubber()
 log_file = _FileTee()
 
 
-def configure_logging(settings: LogSettings, stream: IO[str] | None = None) -> None:
-    """Configure structlog and the stdlib root logger once per process."""
+def configure_logging(settings: LogSettings, stream: IO[str] | None = None, event_prefix: str = "") -> None:
+    """Configure structlog and the stdlib root logger once per process. ``event_prefix`` (the
+    preflight's process): every event not named with it is renamed ``<prefix>.<event>``, so the
+    run that follows is the only one logging ``run_started``, ``capture_installed``, ..."""
     stream = stream or sys.stdout
     scrubber.refresh()
     use_console = settings.format == "console" or (settings.format == "auto" and stream.isatty())
@@ -124,6 +126,8 @@ def configure_logging(settings: LogSettings, stream: IO[str] | None = None) -> N
         scrubber,
         log_file,
     ]
+    if event_prefix:
+        shared.insert(0, _EventPrefix(event_prefix))
     renderer: Any = (
         structlog.dev.ConsoleRenderer(colors=False)
         if use_console
@@ -149,6 +153,18 @@ def configure_logging(settings: LogSettings, stream: IO[str] | None = None) -> N
     root.setLevel(max(level, logging.INFO))
     # vLLM installs its own handlers unless told not to; ours render its records.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+
+class _EventPrefix:
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def __call__(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+        event = event_dict.get("event")
+        # Event names only: a library's log record has its message there.
+        if isinstance(event, str) and event.isidentifier() and not event.startswith(self.prefix):
+            event_dict["event"] = f"{self.prefix}.{event}"
+        return event_dict
 
 
 def _exception_as_text(_logger: Any, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:

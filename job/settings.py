@@ -362,6 +362,20 @@ class GenerateSettings(Section):
     )
 
 
+class PreflightSettings(Section):
+    """``python -m job preflight``, and what ``run`` does first with the vLLM backend."""
+
+    before_run: bool = Field(
+        True,
+        description="run with backend.name=vllm: the preflight first (dummy weights at reduced depth, "
+        "about one engine start-up), so a setting that cannot work fails with exit 2 before the model "
+        "loads; false: straight to the model",
+    )
+    samples: PositiveInt = Field(
+        8, description="How many of this index's first samples the preflight sends through the pipeline"
+    )
+
+
 class LogSettings(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -394,6 +408,7 @@ class JobSettings(BaseSettings):
     output: OutputSettings = Field(default_factory=OutputSettings)
     work: WorkSettings = Field(default_factory=WorkSettings)
     generate: GenerateSettings = Field(default_factory=GenerateSettings)
+    preflight: PreflightSettings = Field(default_factory=PreflightSettings)
     log: LogSettings = Field(default_factory=LogSettings)
 
     @classmethod

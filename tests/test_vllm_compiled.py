@@ -42,6 +42,9 @@ def test_deepseek_v3_captured_compiled_matches_the_reference(tmp_path: Path) -> 
             "--backend.name=vllm",
             "--backend.vllm.max_num_batched_tokens=128",
             "--backend.vllm.max_num_seqs=4",
+            # The preflight's own compilation of the reduced model would add minutes on two cores:
+            # docs/benchmarks.md times it; tests/test_vllm_preflight.py tests it.
+            "--preflight.before_run=false",
         ],
         tmp_path / "cache",
         timeout=1200,  # the tiny DeepSeek-V3 compiles for minutes on two cores

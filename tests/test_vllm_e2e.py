@@ -33,6 +33,9 @@ pytestmark = pytest.mark.vllm
 MAX_REL_ERROR = 2e-2  # per sample and layer, ||a - b|| / ||b||, bf16
 TOKEN_BUDGET = 128  # max_num_batched_tokens: most samples need several steps
 FINAL_STEP_TOKENS = TOKEN_BUDGET // 4  # backend.vllm.final_step_tokens' default
+# The two outputs of the module's fixture run with the preflight (the default); the other tests
+# here are about the run's own engine start-up and failures, and skip it.
+NO_PREFLIGHT = ("--preflight.before_run=false",)
 
 
 @pytest.fixture(scope="module", params=["compiled", "eager"])
@@ -82,6 +85,41 @@ def test_vllm_matches_the_hf_reference(outputs: tuple[Path, Path, list[dict]]) -
     assert worst[0] <= MAX_REL_ERROR, worst
 
 
+@pytest.mark.parametrize("outputs", ["eager"], indirect=True)  # one more run is enough
+def test_the_preflight_passed_first_and_a_run_without_it_writes_the_same_samples(
+    outputs: tuple[Path, Path, list[dict]],
+) -> None:
+    """The fixture's run did the preflight first (in its own process, its engine gone before the
+    run's started), and changed nothing: without it, every sample's ids, mask and hidden states
+    are bit for bit the same (the shard files differ only in the run id they record)."""
+    with_preflight, _, events = outputs
+    names = [e["event"] for e in events]
+    assert names.index("preflight_passed") < names.index("run_started") < names.index("adapter_selected")
+    passed = events[names.index("preflight_passed")]
+    without = with_preflight.parent / "vllm-without-preflight"
+    run_vllm_job(
+        [
+            "--data.max_length=512",
+            "--output.shard_bytes=1MiB",
+            f"--output.uri={without}",
+            "--backend.name=vllm",
+            f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}",
+            "--backend.vllm.max_num_seqs=4",
+            "--backend.vllm.enforce_eager=true",
+            *NO_PREFLIGHT,
+        ],
+        with_preflight.parent / "cache",
+    )
+    got = {s.sample_id: s for s in iter_output(with_preflight, require_complete=True)}
+    want = {s.sample_id: s for s in iter_output(without, require_complete=True)}
+    assert got.keys() == want.keys() and len(got) > 30
+    for sample_id, ref in want.items():
+        sample = got[sample_id]
+        assert torch.equal(sample.input_ids, ref.input_ids) and torch.equal(sample.loss_mask, ref.loss_mask)
+        assert torch.equal(sample.hidden_states, ref.hidden_states), sample_id
+    print(f"\npreflight {passed['seconds']}; {len(got)} samples identical with and without it")
+
+
 def test_batches_held_several_requests_long_prefills_were_chunked_steps_overlapped_and_the_last_shrank(
     outputs: tuple[Path, Path, list[dict]],
 ) -> None:
@@ -120,6 +158,7 @@ def test_sigterm_while_the_engine_starts_exits_at_once_and_a_rerun_completes(
         "--backend.name=vllm",
         f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}",
         "--backend.vllm.max_num_seqs=4",
+        *NO_PREFLIGHT,
     ]
     cache = reference.parent / "cache"
     proc = subprocess.Popen(
@@ -206,6 +245,7 @@ def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(tmp
         "--backend.name=vllm",
         f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}",
         "--backend.vllm.max_num_seqs=4",
+        *NO_PREFLIGHT,  # it would find the failing forward first (exit 2): this is about the run's own
     ]
     pythonpath = with_sitecustomize(tmp_path / "fail-the-first-step", FAIL_THE_FIRST_STEP)
     proc = subprocess.run(
@@ -257,6 +297,7 @@ def test_a_worker_killed_mid_run_ends_the_run_naming_its_death(tmp_path: Path, w
         "--backend.name=vllm",
         f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}",
         "--backend.vllm.max_num_seqs=4",
+        *NO_PREFLIGHT,
     ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "job", "run", "--log.format=json", *args],

@@ -36,6 +36,9 @@ COMMON = (
 )
 TOKEN_BUDGET = 128  # max_num_batched_tokens
 VLLM = ("--backend.name=vllm", f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}")
+# The preflight (a second engine start-up) runs in the first test only: it regenerates the
+# preflight's samples' turns first, through the same engine code.
+NO_PREFLIGHT = ("--preflight.before_run=false",)
 GREEDY = ("--generate.temperature=0",)
 SAMPLED = ("--generate.temperature=0.8", "--generate.top_p=0.9", "--generate.top_k=50", "--generate.seed=11")
 
@@ -96,6 +99,8 @@ def test_greedy_turns_equal_the_hf_backends_and_so_do_their_hidden_states(
         a, b = sample.hidden_states.float(), ref.hidden_states.float()
         worst = max(worst, float(((a - b).norm() / b.norm()).item()))
     assert sidecars(tmp_path / "vllm" / "index-00000") == sidecars(tmp_path / "hf" / "index-00000")
+    passed = next(e for e in events if e["event"] == "preflight_passed")
+    assert any("turns regenerated first" in line for line in passed["proven"]), passed["proven"]
     stats = next(e for e in events if e["event"] == "vllm_extract_finished")
     turns = sum(len(line["turns"]) for line in sidecars(tmp_path / "hf" / "index-00000").values())
     assert stats["generation_requests"] == turns > 18  # every turn, multi-turn ones included
@@ -110,7 +115,7 @@ def test_greedy_turns_equal_the_hf_backends_and_so_do_their_hidden_states(
 def test_greedy_turns_at_two_tensor_parallel_ranks(data: tuple[Path, Path], tmp_path: Path) -> None:
     path, cache = data
     base = [f"--data.path={path}", *COMMON, *GREEDY]
-    tp = [*VLLM, "--backend.tensor_parallel_size=2", "--backend.vllm.max_num_seqs=4"]
+    tp = [*VLLM, *NO_PREFLIGHT, "--backend.tensor_parallel_size=2", "--backend.vllm.max_num_seqs=4"]
     run([*base, f"--output.uri={tmp_path / 'tp2'}", *tp], cache, VLLM_CPU_OMP_THREADS_BIND="0|1")
     run([*base, f"--output.uri={tmp_path / 'hf'}", "--backend.name=hf"], cache)
     got, want = samples(tmp_path / "tp2" / "index-00000"), samples(tmp_path / "hf" / "index-00000")
@@ -125,7 +130,7 @@ def test_seeded_sampling_ignores_batching_and_survives_kill_9(
     """One uninterrupted run four requests at a time; another two at a time, killed after its
     first committed shard and resumed: the same tokens for every sample."""
     path, cache = data
-    base = [f"--data.path={path}", *COMMON, *SAMPLED, *VLLM]
+    base = [f"--data.path={path}", *COMMON, *SAMPLED, *VLLM, *NO_PREFLIGHT]
     run([*base, f"--output.uri={tmp_path / 'whole'}", "--backend.vllm.max_num_seqs=4"], cache)
     killed = [*base, f"--output.uri={tmp_path / 'killed'}", "--backend.vllm.max_num_seqs=2"]
     proc = subprocess.Popen(

@@ -41,6 +41,15 @@ def test_two_tensor_parallel_ranks_capture_once_and_match_the_reference(tmp_path
     installed = next(e for e in events if e["event"] == "capture_installed")
     assert installed["tp_ranks"] == 2  # both workers ran hs_install ...
     assert installed["capturing_ranks"] == [0]  # ... and only rank 0 captures
+    # The preflight ran first at the same TP, gloo between its two ranks, and was gone before the
+    # run's engine started.
+    names = [e["event"] for e in events]
+    preflight = next(e for e in events if e["event"] == "preflight.capture_installed")
+    assert preflight["tp_ranks"] == 2 and preflight["capturing_ranks"] == [0]
+    assert names.index("preflight_passed") < names.index("adapter_selected")
+    passed = events[names.index("preflight_passed")]
+    assert any("TP=2" in line for line in passed["proven"]), passed["proven"]
+    print(f"TP=2 preflight: {passed['seconds']}")
     _run([f"--output.uri={tmp_path / 'hf'}", "--backend.name=hf"], cache)
     result = compare_outputs(tmp_path / "tp2", tmp_path / "hf")
     print(f"TP=2 vs HF: {result.summary(2e-2)}")

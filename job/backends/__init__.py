@@ -12,14 +12,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from job.hidden_dtype import HiddenDtype
-from job.model import ModelInfo
-from job.settings import JobSettings
+if TYPE_CHECKING:
+    from job.pipeline.setup import RunSetup
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,16 +95,18 @@ def generate_all(backend: Backend, requests: list[GenerationInput]) -> dict[str,
     return done
 
 
-def create_backend(
-    settings: JobSettings, model: ModelInfo, layer_ids: list[int], dtype: HiddenDtype
-) -> Backend:
-    if settings.backend.name == "hf":
+def create_backend(setup: RunSetup) -> Backend:
+    """The backend ``backend.name`` names, for this run's model, layers and stored dtype."""
+    backend = setup.settings.backend
+    if backend.name == "hf":
         from job.backends.hf import HFBackend
 
-        return HFBackend.load(model, layer_ids, settings.backend.device, dtype)
+        return HFBackend.load(setup.model, setup.layer_ids, backend.device, setup.dtype)
     from job.backends.vllm import VllmBackend
+    from job.backends.vllm_engine import EngineSpec
 
-    return VllmBackend(settings, model, layer_ids, dtype)
+    spec = EngineSpec.of(setup.settings, generating=setup.generates)
+    return VllmBackend(spec, setup.model, setup.layer_ids, setup.dtype)
 
 
 def extract_all(backend: Backend, sequences: list[np.ndarray]) -> list[torch.Tensor]:

@@ -1,204 +1,116 @@
 """The production backend: vLLM's v1 internals driven for prefill only.
 
-The driver builds the executor, KV cache and Scheduler itself and feeds it
-hand-built Requests (one sampled token each, prefix caching off, chunked
-prefill on), keeping two steps in flight like EngineCore's batch queue.
-Everything that differs between vLLM releases goes through the adapter set
-chosen for the installed version.
-Hidden states arrive through a shared-memory ring from the TP rank-0 worker;
-rows are matched to samples by request id and checked against the step's own
-input ids and positions before they are handed on.
+``job.backends.vllm_engine`` builds the engine (executor, KV cache, Scheduler, block hasher,
+capture); this module feeds it hand-built Requests (one sampled token each, prefix caching off,
+chunked prefill on), keeping two steps in flight like EngineCore's batch queue, with one call's
+loop state in ``_Loop``. Everything that differs between vLLM releases goes through the adapter
+set chosen for the installed version. Hidden states arrive through a shared-memory ring from the
+TP rank-0 worker; ``job.backends.vllm_rows.RowReader`` matches rows to samples by request id and
+checks them against the step's own input ids and positions before they are handed on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.connection
-import os
 import signal
-import threading
-import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from adapters import select_adapter_set
 from adapters.requests import generation_sampling_params, prefill_sampling_params
 from job.backends import Backend, BackendInput, Completion, GenerationInput, HiddenChunk
-from job.data.source import MAX_ID_BYTES
-from job.errors import ConfigError
+from job.backends.vllm_engine import (
+    REQUESTS,
+    SCHEDULER_UPDATE,
+    STEP,
+    AdapterMismatch,
+    Engine,
+    EngineSpec,
+    build_engine,
+)
+from job.backends.vllm_rows import RowReader
 from job.hidden_dtype import HiddenDtype
 from job.logs import get_logger
 from job.model import ModelInfo
-from job.settings import JobSettings
-from job.worker.capture import COMPILED, HOOKS
-from job.worker.ring import GENERATION_ID_EXTRA_BYTES, GENERATION_PREFIX, Ring, captured_step, header_bytes
+from job.worker.capture import WORKER_MISMATCHES
+from job.worker.ring import GENERATION_PREFIX, captured_step
 
 _EXHAUSTED = object()
 STEPS_IN_FLIGHT = 2
 
 
 @dataclass
-class _Pending:
-    input_ids: np.ndarray
-    destination: Any
-    received: int = 0
+class _Loop:
+    """One ``extract()`` call's state."""
 
+    source: Iterator[BackendInput | GenerationInput | None]
+    full_step_tokens: int  # the scheduler's step size when the call began (restored at its end)
+    exhausted: bool = False  # the source has nothing more
+    unscheduled: int = 0  # prompt tokens added but not yet scheduled
+    final_steps: bool = False  # steps shrunk to final_step_tokens
+    # Steps submitted and not yet updated, oldest first: with two in flight the
+    # workers run step k while the driver schedules step k+1 (EngineCore's batch
+    # queue). A scheduler output with no tokens is submitted too (it carries the
+    # finished request ids to the workers) but never twice in a row.
+    in_flight: deque[tuple[Any, Any]] = field(default_factory=deque)
 
-class _Releases:
-    """Slot refcounts; advances the ring's ``released`` word in step order."""
-
-    def __init__(self, ring: Ring) -> None:
-        self._ring = ring
-        self._lock = threading.Lock()
-        self._remaining: dict[int, int] = {}
-        self._next = 0
-
-    def hold(self, step: int, count: int) -> None:
-        with self._lock:
-            self._remaining[step] = count
-            self._advance()
-
-    def release(self, step: int) -> None:
-        with self._lock:
-            self._remaining[step] -= 1
-            self._advance()
-
-    def _advance(self) -> None:
-        while self._remaining.get(self._next) == 0:
-            del self._remaining[self._next]
-            self._next += 1
-        self._ring.set_released(self._next)
+    @property
+    def last_was_empty(self) -> bool:
+        return bool(self.in_flight) and self.in_flight[-1][0].total_num_scheduled_tokens == 0
 
 
 class VllmBackend(Backend):
     name = "vllm"
 
-    def __init__(
-        self, settings: JobSettings, model: ModelInfo, layer_ids: list[int], dtype: HiddenDtype
-    ) -> None:
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        import vllm
-
+    def __init__(self, spec: EngineSpec, model: ModelInfo, layer_ids: list[int], dtype: HiddenDtype) -> None:
         self.log = get_logger(component="vllm_backend")
-        options = settings.backend.vllm
-        self.vllm_version = vllm.__version__
-        self.adapters = select_adapter_set(
-            self.vllm_version, options.adapter_set, options.allow_nearest_adapter
-        )
-        self.log.info("adapter_selected", vllm_version=self.vllm_version, adapter_set=self.adapters.name)
-        mode = HOOKS if options.enforce_eager else COMPILED
-        if mode == COMPILED and not self.adapters.facts.compiled_capture:
-            raise ConfigError(
-                f"backend.vllm.enforce_eager is false, but capture under compilation has not been verified "
-                f"on vLLM {self.vllm_version} (adapter set {self.adapters.name}); set "
-                "backend.vllm.enforce_eager: true (eager mode, forward hooks)"
-            )
-        engine_kwargs: dict[str, Any] = {
-            "model": str(model.path),
-            "tokenizer": str(model.path),
-            "dtype": model.dtype,
-            "trust_remote_code": settings.model.trust_remote_code,
-            "seed": 0,
-            "tensor_parallel_size": settings.backend.tensor_parallel_size,
-            "max_num_batched_tokens": options.max_num_batched_tokens,
-            "max_num_seqs": options.max_num_seqs,
-            "gpu_memory_utilization": options.gpu_memory_utilization,
-            # A prompt of data.max_length tokens plus the one token sampled after it (check_backend
-            # made sure that fits the model's positions).
-            "max_model_len": options.max_model_len or settings.data.max_length + 1,
-            "attention_backend": options.attention_backend,
-            # Model runner in its own process even at TP=1: its Python (kernel
-            # launches in eager mode) then never waits on the driver's GIL, which
-            # the writer and committer threads share.
-            "distributed_executor_backend": "mp",
-            "enforce_eager": options.enforce_eager,
-            **options.engine_args,
-        }
-        generating = settings.generate.mode != "keep"
-        vllm_config = self.adapters.engine_config(
-            engine_kwargs, {"mode": mode, "layer_ids": layer_ids}, generating
-        )
-        if generating and not vllm_config.scheduler_config.enable_chunked_prefill:
-            self.log.info(
-                "whole_prompts_per_step",
-                reason="seeded generation on a CPU build of vLLM, whose generators cannot rewind "
-                "after a partial prefill",
-                max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-            )
-        self.vllm_config = vllm_config
-        self.max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        self.engine: Engine = build_engine(spec, model, layer_ids, dtype, self.log)
+        engine = self.engine
+        self.adapters, self.vllm_version = engine.adapters, engine.vllm_version
+        self.vllm_config = engine.vllm_config
+        self.executor, self.ring, self.scheduler = engine.executor, engine.ring, engine.scheduler
+        scheduler_config = self.vllm_config.scheduler_config
+        self.max_num_seqs = scheduler_config.max_num_seqs
         self.concurrent_requests = 2 * self.max_num_seqs  # extract() keeps this many admitted
-        self.token_budget = vllm_config.scheduler_config.max_num_batched_tokens
+        self.token_budget = scheduler_config.max_num_batched_tokens
         # Without chunked prefill a step holds whole prompts: capping it below the longest would stall.
-        chunked = vllm_config.scheduler_config.enable_chunked_prefill
-        self.final_step_tokens = options.final_step_budget if chunked else None
-        self.executor = self.adapters.start_executor(vllm_config)
-        self.ring = Ring.create(
-            None,
-            slots=options.capture_slots,
-            max_tokens=self.token_budget,
-            num_layers=len(layer_ids),
-            hidden_size=model.hidden_size,
-            dtype_name=dtype.name,
-            header_bytes=header_bytes(self.max_num_seqs, MAX_ID_BYTES + GENERATION_ID_EXTRA_BYTES),
+        self.final_step_tokens = (
+            spec.options.final_step_budget if scheduler_config.enable_chunked_prefill else None
         )
-        self._closed = False
-        try:
-            infos = self.executor.collective_rpc(
-                "hs_install", args=(self.ring.spec.to_dict(), layer_ids, self.adapters.name, mode)
-            )
-            self.capture_info = next(i for i in infos if i["capturing"])
-            self.log.info(
-                "capture_installed",
-                **self.capture_info,
-                tp_ranks=len(infos),
-                capturing_ranks=[i["tp_rank"] for i in infos if i["capturing"]],
-            )
-            kv = self.adapters.set_up_kv_cache(self.executor, vllm_config)
-            self.scheduler = self.adapters.scheduler(
-                vllm_config, kv.config, kv.block_size, kv.hash_block_size
-            )
-            self.block_hasher = self.adapters.block_hasher(vllm_config, kv.hash_block_size)
-            self.executor.collective_rpc("hs_arm")
-        except BaseException:
-            self.close()
-            raise
-        on_cpu = vllm_config.device_config.device_type == "cpu"
+        on_cpu = self.vllm_config.device_config.device_type == "cpu"
         self.sampling_params = prefill_sampling_params(
-            seeded=on_cpu and self.adapters.facts.cpu_sampler_seeds_whole_batches_only and generating
+            seeded=on_cpu and self.adapters.facts.cpu_sampler_seeds_whole_batches_only and spec.generating
         )
-        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        self.async_scheduling = bool(scheduler_config.async_scheduling)
         self._generating: dict[str, tuple[str, list[int]]] = {}  # request id -> (caller's id, tokens)
-        # Steps run / steps whose ring slot was read, over the backend's lifetime: the ring's
-        # counters run across extract() calls.
-        self._executed = self._taken = 0
-        self._releases = _Releases(self.ring)
-        # Shape of the work done, for logs and tests: steps that batched several
-        # requests, requests whose prefill was chunked over several steps, and
-        # whether a step was submitted while the previous one still ran.
+        self.rows = RowReader(self.ring, self._check_executor)
+        # Steps run over the backend's lifetime (the ring's counters run across extract() calls),
+        # and steps whose scheduler update went through (the first is the end of start-up).
+        self._executed = self._updated = 0
+        # Shape of the work done, for logs and tests: whether a step was submitted while the
+        # previous one still ran, generation, and the final steps (backend.vllm.final_step_tokens:
+        # how many ran at that size, and the most tokens one had); the row reader adds its own.
         self.stats = {
-            "max_requests_per_step": 0,
-            "chunked_requests": 0,
-            "tokens": 0,
             "max_steps_in_flight": 0,
             "generation_requests": 0,
             "generated_tokens": 0,
-            "recomputed_rows": 0,
-            # backend.vllm.final_step_tokens: the steps run at that size, and the most tokens one had
             "final_steps": 0,
             "largest_final_step": 0,
         }
         self.log.info(
             "vllm_ready",
-            kv_blocks=kv.config.num_blocks,
-            block_size=kv.block_size,
+            kv_blocks=engine.kv_blocks,
+            block_size=engine.block_size,
             max_num_batched_tokens=self.token_budget,
             max_num_seqs=self.max_num_seqs,
             final_step_tokens=self.final_step_tokens,
         )
+
+    @property
+    def capture_info(self) -> dict[str, Any]:
+        return self.engine.capture_info
 
     @property
     def info(self) -> dict[str, Any]:
@@ -218,108 +130,138 @@ class VllmBackend(Backend):
         try:
             yield from self._steps(inputs)
         except Exception:
-            # A dead worker surfaces as whichever vLLM call comes next: a step's result ("cancelled"),
-            # the next step's submission ("Executor failed."), an RPC. Name the death instead.
+            # A capture hook or the step layout inside the worker that does not fit this vLLM said
+            # so through the ring before the worker's forward failed: name that. A dead worker
+            # surfaces as whichever vLLM call comes next: a step's result ("cancelled"), the next
+            # step's submission ("Executor failed."), an RPC. Name the death instead.
+            self._check_worker_mismatch()
             self._check_executor()
             raise
 
     def _steps(
         self, inputs: Iterator[BackendInput | GenerationInput | None]
     ) -> Iterator[HiddenChunk | Completion]:
-        source = iter(inputs)
-        exhausted = False
-        pending: dict[str, _Pending] = {}  # extraction requests, by sample id
-        unscheduled = 0  # prompt tokens added but not yet scheduled
-        # Steps submitted and not yet updated, oldest first: with two in flight the
-        # workers run step k while the driver schedules step k+1 (EngineCore's batch
-        # queue). A scheduler output with no tokens is submitted too (it carries the
-        # finished request ids to the workers) but never twice in a row.
-        in_flight: deque[tuple[Any, Any]] = deque()
-        slots = self.ring.spec.slots
-        step_tokens = self.scheduler.max_num_scheduled_tokens
-        final_steps = False
+        loop = _Loop(iter(inputs), full_step_tokens=self.scheduler.max_num_scheduled_tokens)
+        rows = self.rows
         while True:
-            while (
-                not exhausted
-                and len(pending) + len(self._generating) < self.concurrent_requests
-                and unscheduled < 2 * self.token_budget
-            ):
-                item = next(source, _EXHAUSTED)
-                if item is _EXHAUSTED:
-                    exhausted = True
-                    break
-                if item is None:  # nothing new right now (e.g. staging full): run what is pending
-                    break
-                unscheduled += self._admit(item, pending)
+            self._admit_from(loop)
             if (
-                not final_steps
+                not loop.final_steps
                 and self.final_step_tokens
-                and exhausted
+                and loop.exhausted
                 and not self._generating
-                and unscheduled <= self.token_budget
+                and loop.unscheduled <= self.token_budget
             ):
                 # The rows of the last step are written after the GPU is done: make it a small one.
-                final_steps = True
-                self.set_step_tokens(min(step_tokens, self.final_step_tokens))
-            last_was_empty = bool(in_flight) and in_flight[-1][0].total_num_scheduled_tokens == 0
+                loop.final_steps = True
+                self.set_step_tokens(min(loop.full_step_tokens, self.final_step_tokens))
             if (
                 self.scheduler.get_num_unfinished_requests()
-                and len(in_flight) < self._steps_in_flight()
-                and not last_was_empty
+                and len(loop.in_flight) < self._steps_in_flight()
+                and not loop.last_was_empty
             ):
                 # The worker takes slot `executed % slots`; make sure the driver let go of it.
-                yield from self._drain(pending, lambda: self._executed - self.ring.released < slots)
-                scheduler_output = self.scheduler.schedule()
-                scheduled = scheduler_output.total_num_scheduled_tokens
-                if scheduled == 0 and not in_flight:
-                    raise RuntimeError(
-                        f"vLLM scheduled nothing with {len(pending)} requests waiting; the KV cache is too "
-                        "small for the longest sample: raise gpu_memory_utilization or lower data.max_length"
-                    )
-                step = self.adapters.submit_step(self.executor, self.scheduler, scheduler_output)
-                in_flight.append((scheduler_output, step))
-                self.stats["max_steps_in_flight"] = max(self.stats["max_steps_in_flight"], len(in_flight))
-                if final_steps and scheduled:
-                    self.stats["final_steps"] += 1
-                    self.stats["largest_final_step"] = max(self.stats["largest_final_step"], scheduled)
-                self._executed += captured_step(scheduler_output.num_scheduled_tokens)
-                unscheduled = max(0, unscheduled - scheduled)
-                if len(in_flight) < self._steps_in_flight() and scheduled:
+                yield from rows.drain(lambda: self._executed - self.ring.released < self.ring.slot_count)
+                scheduled = self._submit(loop)
+                if len(loop.in_flight) < self._steps_in_flight() and scheduled:
                     continue
-            if not in_flight:
-                if exhausted:
+            if not loop.in_flight:
+                if loop.exhausted:
                     break
                 continue
-            scheduler_output, step = in_flight.popleft()
-            output = step.result()
-            yield from self._completions(self.scheduler.update_from_output(scheduler_output, output))
-            yield from self._take(pending)
-        yield from self._drain(pending, lambda: self._taken >= self._executed)
-        self.set_step_tokens(step_tokens)  # the next extract() starts where this one did
-        if pending or self._generating:
+            yield from self._update(loop)
+            yield from rows.take()
+        yield from rows.drain(lambda: rows.taken >= self._executed)
+        self.set_step_tokens(loop.full_step_tokens)  # the next extract() starts where this one did
+        if rows.pending or self._generating:
             raise RuntimeError(
-                f"{len(pending) + len(self._generating)} requests finished without their output"
+                f"{len(rows.pending) + len(self._generating)} requests finished without their output"
             )
-        self.log.info("vllm_extract_finished", steps=self._executed, **self.stats)
+        self.log.info("vllm_extract_finished", steps=self._executed, **self.stats, **rows.stats)
+
+    def _admit_from(self, loop: _Loop) -> None:
+        """Take inputs while there is room: requests admitted, prompt tokens waiting."""
+        while (
+            not loop.exhausted
+            and len(self.rows.pending) + len(self._generating) < self.concurrent_requests
+            and loop.unscheduled < 2 * self.token_budget
+        ):
+            item = next(loop.source, _EXHAUSTED)
+            if item is _EXHAUSTED:
+                loop.exhausted = True
+                return
+            if item is None:  # nothing new right now (e.g. staging full): run what is pending
+                return
+            loop.unscheduled += self._admit(item)
+
+    def _submit(self, loop: _Loop) -> int:
+        """Schedule one step and queue it on the workers; returns its tokens."""
+        scheduler_output = self.scheduler.schedule()
+        scheduled = scheduler_output.total_num_scheduled_tokens
+        if scheduled == 0 and not loop.in_flight:
+            raise RuntimeError(
+                f"vLLM scheduled nothing with {len(self.rows.pending)} requests waiting; the KV cache is too "
+                "small for the longest sample: raise gpu_memory_utilization or lower data.max_length"
+            )
+        with self._startup_concern(STEP):
+            step = self.adapters.submit_step(self.executor, self.scheduler, scheduler_output)
+        loop.in_flight.append((scheduler_output, step))
+        self.stats["max_steps_in_flight"] = max(self.stats["max_steps_in_flight"], len(loop.in_flight))
+        if loop.final_steps and scheduled:
+            self.stats["final_steps"] += 1
+            self.stats["largest_final_step"] = max(self.stats["largest_final_step"], scheduled)
+        self._executed += captured_step(scheduler_output.num_scheduled_tokens)
+        loop.unscheduled = max(0, loop.unscheduled - scheduled)
+        return scheduled
+
+    def _update(self, loop: _Loop) -> Iterator[Completion]:
+        """Wait for the oldest step in flight and hand its output to the scheduler."""
+        scheduler_output, step = loop.in_flight.popleft()
+        output = step.result()
+        if output is None:
+            # What a step that skipped sample_tokens gives on the generative path: it is the adapter
+            # set's step submission that does not fit (a failed execute_model raised above instead).
+            with self._startup_concern(STEP):
+                raise TypeError("the step returned no model output (execute_model without sample_tokens?)")
+        with self._startup_concern(SCHEDULER_UPDATE):
+            outputs = self.scheduler.update_from_output(scheduler_output, output)
+        self._updated += 1
+        yield from self._completions(outputs)
+
+    def _startup_concern(self, name: str) -> Any:
+        """Up to the first step's scheduler update, the step path is still start-up: an error
+        saying the adapter set does not fit is an AdapterMismatch. After that the same error is a
+        failure of this run (exit 1)."""
+        if self._updated:
+            return contextlib.nullcontext()
+        return self.engine.concern(name)
 
     def _steps_in_flight(self) -> int:
         # vLLM's synchronous scheduler (CPU) has nothing to schedule for a decoding request whose
         # last token it has not seen: a second step in flight would halve decoding.
         return 1 if self._generating and not self.async_scheduling else STEPS_IN_FLIGHT
 
-    def _admit(self, item: BackendInput | GenerationInput, pending: dict[str, _Pending]) -> int:
+    def _admit(self, item: BackendInput | GenerationInput) -> int:
         """Add one request to the scheduler; returns its prompt tokens."""
         if isinstance(item, BackendInput):
             request_id, prompt, params = item.sample_id, item.input_ids, self.sampling_params
-            pending[item.sample_id] = _Pending(item.input_ids, item.destination)
+            self.rows.expect(item.sample_id, item.input_ids, item.destination)
         else:
             request_id, prompt = GENERATION_PREFIX + item.request_id, item.prompt_ids
             params = generation_sampling_params(item)
             self._generating[request_id] = (item.request_id, [])
             self.stats["generation_requests"] += 1
-        self.scheduler.add_request(
-            self.adapters.request(request_id, prompt.tolist(), params, self.block_hasher)
-        )
+        with self.engine.concern(REQUESTS):
+            request = self.adapters.request(request_id, prompt.tolist(), params, self.engine.block_hasher)
+            # What the block hasher is for: every full block of the prompt hashed, as EngineCore's
+            # requests are (without it, prefix caching and KV connectors break, or never cache).
+            blocks = len(prompt) // self.engine.hash_block_size
+            if len(request.block_hashes) < blocks:
+                raise AssertionError(
+                    f"request {item.sample_id if isinstance(item, BackendInput) else item.request_id} "
+                    f"carries {len(request.block_hashes)} block hashes for {blocks} full blocks"
+                )
+        self.scheduler.add_request(request)
         return len(prompt)
 
     def _completions(self, outputs: dict[int, Any]) -> Iterator[Completion]:
@@ -339,17 +281,19 @@ class VllmBackend(Backend):
                     self.stats["generated_tokens"] += len(state[1])
                     yield Completion(state[0], state[1], reason)
 
-    def _check_worker(self) -> None:
-        error = self.ring.worker_error
-        if error:
-            raise RuntimeError(f"capture worker failed: {error}")
-        self._check_executor()
+    def _check_worker_mismatch(self) -> None:
+        """A worker-side concern (capture hook, step layout) that reported through the ring."""
+        error = self.ring.worker_error or ""
+        concern = next((c for c in WORKER_MISMATCHES if error.startswith(c + ":")), None)
+        if concern is not None:
+            detail = error.removeprefix(concern + ":").strip()
+            raise AdapterMismatch(concern, self.adapters.name, self.vllm_version, detail)
 
     def _check_executor(self) -> None:
         """vLLM's multiprocessing executor watches its worker processes and marks itself failed
         when one dies (the kernel's OOM killer, a crash in a kernel): without this check the driver
         would wait on the ring for rows that never come."""
-        if self._executor_failed:
+        if self.engine.executor_failed:
             processes = [w.proc for w in getattr(self.executor, "workers", None) or []]
             # vLLM marks the executor failed when a worker's sentinel fires, which can be a moment
             # before the dead process is reaped: wait for the exit status of those that ended, and
@@ -362,91 +306,6 @@ class VllmBackend(Backend):
                     exits.append(f"{process.name} {_exit_status(process.exitcode)}")
             which = f" ({', '.join(exits)})" if exits else ""
             raise RuntimeError(f"a vLLM worker process died, and vLLM shut its executor down{which}")
-
-    @property
-    def _executor_failed(self) -> bool:
-        return bool(getattr(self.executor, "is_failed", False))
-
-    def _drain(self, pending: dict[str, _Pending], done: Callable[[], bool]) -> Iterator[HiddenChunk]:
-        """Hand on published steps until ``done()``: the worker publishes asynchronously."""
-        while not done():
-            chunks = self._take(pending)
-            yield from chunks
-            self._check_worker()
-            if not chunks:
-                time.sleep(0.0005)
-
-    def _take(self, pending: dict[str, _Pending]) -> list[HiddenChunk]:
-        """Chunks of every step the worker has published and the driver has not read yet. A
-        step's rows of generation requests are dropped; so are an extraction request's rows it
-        already has (vLLM recomputes a preempted request from its start)."""
-        chunks: list[HiddenChunk] = []
-        published = self.ring.published
-        while self._taken < published:
-            step = self._taken
-            header = self.ring.read_header(step)
-            slot = self.ring.slots[step % self.ring.spec.slots]
-            self.stats["max_requests_per_step"] = max(
-                self.stats["max_requests_per_step"], len(header["reqs"])
-            )
-            self.stats["tokens"] += header["num_tokens"]
-            step_chunks: list[HiddenChunk] = []
-            offset = 0
-            for request_id, count in header["reqs"]:
-                if request_id in pending:
-                    chunk = self._rows(step, slot, pending, request_id, offset, count)
-                    if chunk is not None:
-                        step_chunks.append(chunk)
-                elif not request_id.startswith(GENERATION_PREFIX):
-                    raise RuntimeError(
-                        f"capture: step {step} holds rows of request {request_id}, which is not pending"
-                    )
-                offset += count
-            self._releases.hold(step, len(step_chunks))
-            chunks.extend(step_chunks)
-            self._taken += 1
-        return chunks
-
-    def _rows(
-        self, step: int, slot: Any, pending: dict[str, _Pending], sample_id: str, offset: int, count: int
-    ) -> HiddenChunk | None:
-        """One extraction request's rows of a step, checked against its own ids and positions."""
-        state = pending[sample_id]
-        a, b = offset, offset + count
-        positions = slot.positions.numpy()[a:b]
-        first = int(positions[0]) if count else state.received
-        if not (
-            first <= state.received
-            and np.array_equal(positions, np.arange(first, first + count))
-            and np.array_equal(slot.input_ids.numpy()[a:b], state.input_ids[first : first + count])
-        ):
-            raise RuntimeError(
-                f"capture misaligned for sample {sample_id} at step {step}: tokens {first}..{first + count} "
-                f"(after {state.received} received) do not match the step's input ids/positions"
-            )
-        if first < state.received:  # recomputed after a preemption: keep only the rows that are new
-            self.stats["recomputed_rows"] += min(count, state.received - first)
-            a += state.received - first
-        start, stop = state.received, first + count
-        if stop <= start:
-            return None
-        state.received = stop
-        last = stop == len(state.input_ids)
-        if start == 0 and not last:
-            self.stats["chunked_requests"] += 1
-        if last:
-            del pending[sample_id]
-        releases = self._releases
-        return HiddenChunk(
-            sample_id=sample_id,
-            start=start,
-            rows=slot.rows[a:b],
-            scales=None if slot.scales is None else slot.scales[a:b],
-            last=last,
-            nonfinite=not bool(slot.finite.numpy()[a:b].all()),
-            release=lambda: releases.release(step),
-            destination=state.destination,
-        )
 
     @property
     def steps(self) -> int:
@@ -462,15 +321,7 @@ class VllmBackend(Backend):
         self.scheduler.max_num_scheduled_tokens = tokens
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if not self._executor_failed:  # a failed executor takes no calls
-                self.executor.collective_rpc("hs_close")
-        finally:
-            self.executor.shutdown()
-            self.ring.close(unlink=True)
+        self.engine.close()
 
 
 def _exit_status(code: int | None) -> str:

@@ -3,6 +3,7 @@
 ``throughput`` is ``python -m job bench`` (extraction next to plain vLLM prefill, the write
 path's ceiling); ``s3_ceiling`` an S3 endpoint's raw upload ceiling with boto3 alone;
 ``record_memory`` the peak memory of reading and tokenizing one large record; ``masking`` the
-samples per CPU second of tokenizing and masking agentic conversations. They import the
+samples per CPU second of tokenizing and masking agentic conversations; ``preflight_time`` how long
+``python -m job preflight`` takes against the start-up it saves. They import the
 job's modules; nothing in the job imports them (``job.cli`` dispatches ``bench`` lazily).
 """

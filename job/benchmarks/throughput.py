@@ -1130,7 +1130,7 @@ def _step_budget_rows(
 
 def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     from job.backends import extract_all
-    from job.backends.vllm import VllmBackend
+    from job.backends.vllm import EngineSpec, VllmBackend
     from job.logs import configure_logging
     from job.model import resolve_model
     from job.pipeline.runner import run_job
@@ -1154,7 +1154,8 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
     configure_logging(settings.log)
     model = resolve_model(settings.model)
     layer_ids = model.resolve_layer_ids(None)
-    backend = VllmBackend(settings, model, layer_ids, hidden_dtype(model.dtype))
+    spec = EngineSpec.of(settings, generating=False)
+    backend = VllmBackend(spec, model, layer_ids, hidden_dtype(model.dtype))
     if dummy:
         _realistic_weights(backend.executor.collective_rpc)
     extract_all(backend, regular[:WARMUP_PROMPTS])
@@ -1299,7 +1300,7 @@ def _worker_regenerate(args: argparse.Namespace) -> dict[str, Any]:
     from dataclasses import replace
 
     from job.backends import generate_all
-    from job.backends.vllm import VllmBackend
+    from job.backends.vllm import EngineSpec, VllmBackend
     from job.logs import configure_logging
     from job.model import resolve_model
     from job.pipeline.runner import run_job
@@ -1321,7 +1322,8 @@ def _worker_regenerate(args: argparse.Namespace) -> dict[str, Any]:
                 + "\n"
             )
     model = resolve_model(settings.model)
-    backend = VllmBackend(settings, model, model.resolve_layer_ids(None), hidden_dtype(model.dtype))
+    spec = EngineSpec.of(settings, generating=True)
+    backend = VllmBackend(spec, model, model.resolve_layer_ids(None), hidden_dtype(model.dtype))
     prompts = [r.prompt_ids for r in requests]
     compiled = not args.job_eager
     generate_all(

@@ -37,12 +37,20 @@ from job.storage import open_index_store
 from job.storage.base import IndexStore
 
 
-def run_job(settings: JobSettings, backend: Backend | None = None) -> dict[str, Any]:
+def run_job(
+    settings: JobSettings, backend: Backend | None = None, sample_limit: int | None = None
+) -> dict[str, Any]:
     """Run one work index. A caller-provided ``backend`` (benchmarks reuse one engine across
-    runs) is used as is and left open."""
+    runs; the preflight brings its reduced one) is used as is and left open. ``sample_limit``:
+    only the index's first so many samples (the preflight's)."""
     run_id = new_run_id()
     log = get_logger(run_id=run_id, work_index=settings.work.index)
     setup = prepare_run(settings)
+    if backend is None and settings.backend.name == "vllm" and settings.preflight.before_run:
+        # Before the output is opened: a failing preflight leaves it untouched.
+        from job.preflight import preflight_in_subprocess
+
+        preflight_in_subprocess(settings)
     # Graceful from here on: opening the store may already write to the output (a lock).
     with StopFlag() as stop, open_index_store(settings.output, settings.work.index) as store:
         resumed = resume(setup, store, log)
@@ -51,7 +59,7 @@ def run_job(settings: JobSettings, backend: Backend | None = None) -> dict[str, 
             log.info("index_already_complete", location=store.location, written=counts.written)
             summary = f"done: index {settings.work.index} was already complete at {store.location}"
             return {"status": "already_complete", **counts.model_dump(), "summary": summary}
-        return IndexRun(setup, store, resumed, run_id, log, stop, backend).run()
+        return IndexRun(setup, store, resumed, run_id, log, stop, backend, sample_limit).run()
 
 
 @dataclass
@@ -87,10 +95,12 @@ class IndexRun:
         log: Any,
         stop: StopFlag,
         backend: Backend | None,
+        sample_limit: int | None = None,
     ) -> None:
         self.setup, self.store, self.resumed = setup, store, resumed
         self.run_id, self.log, self.stop = run_id, log, stop
         self._given_backend = backend
+        self.sample_limit = sample_limit
         self.status = "failed"
         self.started = time.monotonic()
 
@@ -200,8 +210,13 @@ class IndexRun:
         import transformers
 
         _ = transformers.AutoTokenizer, transformers.AutoModelForCausalLM
+        records = read_records(self.setup.files, int(settings.data.max_record_bytes))
+        if self.sample_limit is not None:
+            from job.preflight import first_owned
+
+            records = first_owned(records, settings.work.index, settings.work.count, self.sample_limit)
         return EncodedStream(
-            read_records(self.setup.files, int(settings.data.max_record_bytes)),
+            records,
             self.setup.encoder,
             index=settings.work.index,
             count=settings.work.count,
@@ -215,7 +230,7 @@ class IndexRun:
             return self._given_backend
         setup = self.setup
         with exit_on_stop_signal("engine_startup"):  # vLLM's start-up does not look at the stop flag
-            backend = create_backend(setup.settings, setup.model, setup.layer_ids, setup.dtype)
+            backend = create_backend(setup)
         cleanup.callback(backend.close)
         return backend
 

@@ -60,6 +60,11 @@ class RunSetup:
     sampling: Sampling | None  # generate.mode other than keep: how turns are sampled
 
     @property
+    def generates(self) -> bool:
+        """Whether the backend generates turns before extracting (generate.mode other than keep)."""
+        return self.sampling is not None
+
+    @property
     def bytes_per_token(self) -> int:
         return self.dtype.token_bytes(len(self.layer_ids), self.model.hidden_size) + _IDS_AND_MASK_BYTES
 

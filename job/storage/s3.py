@@ -163,8 +163,8 @@ def _translate(exc: Exception, setting: str, bucket: str, action: str) -> JobErr
         if code == "AccessDenied" or status == 403:
             return ConfigError(
                 f"{setting}: access denied while {action} ({code or status}); the identity needs "
-                "s3:ListBucket, s3:ListBucketMultipartUploads, s3:GetObject, s3:PutObject and "
-                "s3:AbortMultipartUpload on the prefix"
+                "s3:ListBucket, s3:ListBucketMultipartUploads, s3:GetObject, s3:PutObject, "
+                "s3:AbortMultipartUpload and (for the preflight's probe) s3:DeleteObject on the prefix"
             )
         return StorageError(f"{setting}: {action} failed: {code or 'error'} (HTTP {status})")
     return StorageError(f"{setting}: {action} failed: {type(exc).__name__}: {exc}")
@@ -397,6 +397,11 @@ class S3Transport(ObjectTransport):
                     raise StorageError(f"{self.setting}: reading {where} failed: {exc}") from None
                 _backoff(attempt)
         raise AssertionError("unreachable")
+
+    def delete(self, key: str) -> None:
+        self._retrying(
+            f"deleting {self.url(key)}", lambda: self._client.delete_object(Bucket=self.bucket, Key=key)
+        )
 
     def abort_uploads(self, prefix: str, only_keys: set[str] | None = None) -> int:
         def call() -> int:

@@ -94,6 +94,10 @@ class ObjectTransport(ABC):
         object changed or is gone), retried as every read is, from where a broken body stopped."""
 
     @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove an object (absent already: nothing to do)."""
+
+    @abstractmethod
     def abort_uploads(self, prefix: str, only_keys: set[str] | None = None) -> int:
         """Abort unfinished multipart uploads under ``prefix`` (or to ``only_keys``); how many."""
 

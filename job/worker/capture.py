@@ -36,6 +36,12 @@ from job.worker.ring import Ring, RingSpec, captured_step
 
 SLOT_WAIT_S = 1800.0
 HOOKS, COMPILED = "hooks", "compiled"
+# Worker-side concerns whose failure says the capture or the adapter set does not fit this vLLM
+# (or this model): the worker reports "<concern>: <error>" through the ring before its forward
+# fails, and the driver names the concern (exit 2) instead of the worker's bare error.
+CAPTURE_HOOK = "capture hook (decoder-layer outputs)"
+STEP_LAYOUT = "step layout (the runner's input ids, positions and request order)"
+WORKER_MISMATCHES = (CAPTURE_HOOK, STEP_LAYOUT)
 
 
 def inner_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -182,6 +188,7 @@ class StepCapture:
         if self.aux_ids:
             aux = self.worker.model_runner.execute_model_state.aux_hidden_states
             if len(aux) != len(self.aux_ids):
+                self._report(CAPTURE_HOOK, f"{len(aux)} aux hidden states for layers {sorted(self.aux_ids)}")
                 raise RuntimeError(
                     f"{type(self.worker.model_runner.get_model()).__name__} returned {len(aux)} aux hidden "
                     f"states for layers {sorted(self.aux_ids)}: this vLLM's interface does not give them all"
@@ -198,11 +205,30 @@ class StepCapture:
             if k == 0:
                 self._hooks.append(
                     self.layers[0].register_forward_pre_hook(
-                        self._input_hook(j, layer0_forward), with_kwargs=True
+                        self._reported(k, self._input_hook(j, layer0_forward)), with_kwargs=True
                     )
                 )
             else:
-                self._hooks.append(self.layers[k - 1].register_forward_hook(self._output_hook(j)))
+                self._hooks.append(
+                    self.layers[k - 1].register_forward_hook(self._reported(k, self._output_hook(j)))
+                )
+
+    def _reported(self, layer_id: int, hook: Any) -> Any:
+        """``hook``, whose failure is reported through the ring as the capture hook's (eager mode
+        only: compiled taps are traced, and fail in the worker's compilation instead)."""
+
+        def reported(*args: Any) -> None:
+            try:
+                hook(*args)
+            except Exception as exc:
+                layer = type(self.layers[max(layer_id - 1, 0)]).__name__
+                self._report(CAPTURE_HOOK, f"layer id {layer_id} on {layer}: {type(exc).__name__}: {exc}")
+                raise
+
+        return reported
+
+    def _report(self, concern: str, detail: str) -> None:
+        self.ring.report_error(f"{concern}: {detail}")
 
     def _input_hook(self, j: int, layer0_forward: Any) -> Any:
         def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -243,10 +269,15 @@ class StepCapture:
             if self.mode == COMPILED:
                 self._gather_compiled(n)
             runner = self.worker.model_runner
-            input_ids, positions = self.adapters.step_inputs(runner)
-            self.current.input_ids[:n].copy_(input_ids[:n])
-            self.current.positions[:n].copy_(positions[:n])
-        self._ship(self.adapters.step_token_order(runner, scheduler_output))
+            try:
+                input_ids, positions = self.adapters.step_inputs(runner)
+                self.current.input_ids[:n].copy_(input_ids[:n])
+                self.current.positions[:n].copy_(positions[:n])
+                order = self.adapters.step_token_order(runner, scheduler_output)
+            except Exception as exc:
+                self._report(STEP_LAYOUT, f"{type(exc).__name__}: {exc}")
+                raise
+        self._ship(order)
         return output
 
     def _ship(self, order: list[tuple[str, int]]) -> None:

@@ -233,8 +233,16 @@ class Ring:
         self._set(_PUBLISHED, step + 1)
 
     # driver side -----------------------------------------------------------
+    @property
+    def slot_count(self) -> int:
+        return self.spec.slots
+
+    def slot(self, step: int) -> SlotViews:
+        """The slot that holds (or will hold) ``step``."""
+        return self.slots[step % self.spec.slots]
+
     def read_header(self, step: int) -> dict[str, Any]:
-        slot = self.slots[step % self.spec.slots]
+        slot = self.slot(step)
         (length,) = struct.unpack_from("<q", slot.header, 0)
         return json.loads(bytes(slot.header[8 : 8 + length]))
 

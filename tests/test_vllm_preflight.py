@@ -1,0 +1,206 @@
+"""The preflight on a real vLLM (the CPU build in CI), against a model directory whose weight
+files cannot be read: the preflight never reads weights (vLLM's dummy load format), so it passes
+there, and ``run`` gets through it and fails only when the real engine loads the weights.
+
+The four failures that once each cost a full model load on an 8-GPU node are injected, one at a
+time, into the installed adapter set inside the job's own processes (a sitecustomize that patches
+the adapter's module as it is imported, in the driver and in vLLM's workers alike): requests built
+without the engine's block hasher, the Scheduler called the pre-0.11.1 way, a single-phase step
+(execute_model without sample_tokens), and a capture hook that expects a decoder layer to return
+one tensor. Each fails in the preflight with exit 2 and an error naming that concern.
+
+Tests run as root here, which reads any file whatever its mode: the weight file is replaced by a
+symlink to nothing, which no one can read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import vllm_job_env, with_sitecustomize
+
+from job.backends.vllm_engine import REQUESTS, SCHEDULER, STEP
+from job.errors import EXIT_CONFIG
+from job.worker.capture import CAPTURE_HOOK
+
+if os.environ.get("REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM is not installed in this environment")
+
+pytestmark = pytest.mark.vllm
+
+# Eager mode (no compilation: the cheapest engine start on a CPU), a few short samples.
+ARGS = (
+    "--backend.name=vllm",
+    "--backend.vllm.enforce_eager=true",
+    "--backend.vllm.max_num_batched_tokens=64",
+    "--backend.vllm.max_num_seqs=4",
+    "--model.dtype=float32",
+    "--data.max_length=128",
+    "--data.tokenizer_workers=0",
+    "--preflight.samples=3",
+    "--log.format=json",
+)
+
+# Patches ``MODULE`` right after it is imported, with ``patch(module)``.
+PATCH_ON_IMPORT = """
+import importlib.abc
+import importlib.util
+import sys
+
+MODULE = {module!r}
+
+
+def patch(module):
+{body}
+
+
+class PatchOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, PatchOnImport())
+"""
+
+INJECTIONS = {
+    "requests without a block hasher": (
+        "adapters.requests",
+        """
+    build = module.build_request
+
+    def without_hasher(facts, request_id, prompt_token_ids, sampling_params, block_hasher):
+        return build(facts, request_id, prompt_token_ids, sampling_params, None)
+
+    module.build_request = without_hasher
+""",
+        REQUESTS,
+    ),
+    "the Scheduler called the pre-0.16 way": (
+        "adapters.scheduling",
+        """
+    def before_block_size(facts, vllm_config, kv_cache_config, block_size, hash_block_size):
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        # vLLM before 0.11.1 took no block_size
+        return Scheduler(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            log_stats=False,
+        )
+
+    module.build_scheduler = before_block_size
+""",
+        SCHEDULER,
+    ),
+    "a single-phase step": (
+        "adapters.execution",
+        """
+    def single_phase(executor, scheduler, scheduler_output):
+        return module.StepResult(executor.execute_model(scheduler_output, non_block=True), None)
+
+    module.submit_step = single_phase
+""",
+        STEP,
+    ),
+    "a capture hook expecting the wrong decoder-layer outputs": (
+        "job.worker.capture",
+        """
+    def output_hook(self, j):
+        def hook(_module, _args, output):  # as if the layer returned one tensor, not (hidden, residual)
+            if self.active:
+                self.current.states[: self.num_tokens, j].copy_(output[: self.num_tokens])
+
+        return hook
+
+    module.StepCapture._output_hook = output_hook
+""",
+        CAPTURE_HOOK,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def unreadable_model(tmp_path_factory: pytest.TempPathFactory, builtin_model: Any) -> Path:
+    """builtin:tiny-llama with its weight file replaced by a symlink to nothing."""
+    model = tmp_path_factory.mktemp("unreadable") / "tiny-llama"
+    shutil.copytree(builtin_model("tiny-llama"), model)
+    weights = list(model.glob("*.safetensors"))
+    assert weights
+    for path in weights:
+        path.unlink()
+        path.symlink_to(model / "never-written" / path.name)
+    return model
+
+
+def _job(command: str, args: list[str], cache: Path, **env: str) -> tuple[int, list[dict[str, Any]], str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "job", command, *ARGS, *args],
+        env=vllm_job_env(cache, **env),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    return proc.returncode, events, errors[-1] if errors else ""
+
+
+@pytest.mark.parametrize("injection", list(INJECTIONS))
+def test_each_known_failure_fails_the_preflight_with_exit_2_naming_it(
+    injection: str, unreadable_model: Path, tmp_path: Path
+) -> None:
+    module, body, concern = INJECTIONS[injection]
+    pythonpath = with_sitecustomize(tmp_path / "inject", PATCH_ON_IMPORT.format(module=module, body=body))
+    out = tmp_path / "out"
+    rc, events, error = _job(
+        "preflight",
+        [f"--model.path={unreadable_model}", f"--output.uri={out}"],
+        tmp_path / "cache",
+        PYTHONPATH=pythonpath,
+    )
+    assert rc == EXIT_CONFIG, (error, events[-3:])
+    assert error.startswith(f"error: backend.vllm.adapter_set: {concern} failed with adapter set"), error
+    assert "does not fit the installed vLLM" in error
+    names = [e["event"] for e in events]
+    assert "preflight_engine" in names and "preflight_passed" not in names
+    assert not out.exists()
+    print(f"\n{injection}: {error}")
+
+
+def test_preflight_passes_without_reading_the_weights_and_run_fails_only_at_the_load(
+    unreadable_model: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    args = [f"--model.path={unreadable_model}", f"--output.uri={out}"]
+    rc, events, error = _job("run", args, tmp_path / "cache")
+    names = [e["event"] for e in events]
+    passed = next(e for e in events if e["event"] == "preflight_passed")
+    assert rc != 0 and error, names
+    assert any("the weights themselves" in line for line in passed["not_proven"])
+    assert any(line.startswith("pipeline: 3 samples") for line in passed["proven"]), passed["proven"]
+    # After the preflight, the real engine began to start and failed loading the weights: before its
+    # capture was installed (the first thing after the load).
+    after = names[names.index("preflight_passed") :]
+    assert "adapter_selected" in after and "capture_installed" not in after, after
+    assert "preflight_failed" not in names
+    print(f"\nrun with unreadable weights: preflight passed in {passed['seconds']}, then {error}")
