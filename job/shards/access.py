@@ -159,6 +159,13 @@ class ShardRows:
         start = self.tensors["hidden_states"].start
         return self._body.fetch(start + a * self.row_bytes, start + b * self.row_bytes, pool)
 
+    def will_need(self, position: int) -> None:
+        """Ask the kernel to read sample ``position``'s rows ahead (a local shard; remote ones are
+        read ahead by ``fetch``)."""
+        a, b = int(self.offsets[position]), int(self.offsets[position + 1])
+        start = self.tensors["hidden_states"].start
+        self._body.will_need(start + a * self.row_bytes, start + b * self.row_bytes)
+
     def sample(self, position: int, layers: list[int] | None = None) -> Sample:
         """Sample ``position`` (read now)."""
         return self.build(position, self.fetch(position).result(), layers)
@@ -243,6 +250,9 @@ class _Body:
     def fetch(self, start: int, stop: int, pool: ThreadPoolExecutor | None) -> _Pending:
         raise NotImplementedError
 
+    def will_need(self, start: int, stop: int) -> None:
+        """Bytes about to be read (a hint)."""
+
 
 class _MappedBody(_Body):
     def __init__(self, path: Path) -> None:
@@ -257,6 +267,11 @@ class _MappedBody(_Body):
 
     def fetch(self, start: int, stop: int, pool: ThreadPoolExecutor | None) -> _Pending:
         return _Pending(self._view[start:stop], [])
+
+    def will_need(self, start: int, stop: int) -> None:
+        if self._mapping is not None and stop > start:
+            first = start - start % mmap.PAGESIZE
+            self._mapping.madvise(mmap.MADV_WILLNEED, first, stop - first)
 
 
 class _ObjectBody(_Body):

@@ -26,11 +26,11 @@ from typing import IO, TYPE_CHECKING, Any
 
 from awscrt.checksums import crc64nvme
 
-from job.checksum import encode
+from job.checksum import ALGORITHM, encode
 from job.errors import ConfigError, DamagedShard, JobError, StorageError, Superseded
 from job.layout import EXTRACTION, MANIFEST, index_dir_name, is_log, shard_name, shard_number
 from job.logs import get_logger
-from job.manifest import StoredFile
+from job.manifest import Checksum, StoredFile
 from job.storage.base import CommittedShard, IndexStore, ShardSource, SourceIndex
 from job.storage.staging import StagedShard, StagingArea
 from job.storage.transport import ObjectExists, ObjectInfo, ObjectTransport, PreconditionFailed
@@ -170,7 +170,9 @@ class ObjectIndexStore(IndexStore):
             key_name = self._claim(staged.name)
             for _ in range(_MAX_KEY_CONFLICTS):
                 try:
-                    self.transport.upload_new(staged.path, self.prefix + key_name, checksum)
+                    self.transport.upload_new(
+                        staged.path, self.prefix + key_name, Checksum(algorithm=ALGORITHM, value=checksum)
+                    )
                     break
                 except ObjectExists:
                     self.stats["key_conflicts"] += 1
@@ -202,17 +204,24 @@ class ObjectIndexStore(IndexStore):
 
     def commit_file(self, path: Path, name: str, checksum: str) -> None:
         try:
-            self.transport.upload_new(path, self.prefix + name, checksum)
+            self.transport.upload_new(path, self.prefix + name, Checksum(algorithm=ALGORITHM, value=checksum))
         finally:
             path.unlink(missing_ok=True)
         self._own_keys.add(self.prefix + name)
 
     def check_committed(self, entry: StoredFile, checksum: bool) -> None:
         key = self.prefix + entry.name
-        stored = self.transport.stored_crc64nvme(key)
+        stored = self.transport.stored_checksum(key, entry.checksum.algorithm)
         if stored is None:
             raise DamagedShard(f"{self.transport.url(key)}: listed in the manifest but missing")
         crc, size = stored
+        if (
+            checksum
+            and crc is None
+            and size == entry.bytes
+            and (info := self.transport.head(key)) is not None
+        ):
+            crc = self.transport.checksum_by_reading(info, entry.checksum.algorithm)  # the store keeps none
         if size != entry.bytes:
             raise DamagedShard(
                 f"{self.transport.url(key)}: {size} bytes, but the manifest lists {entry.bytes}; "

@@ -42,6 +42,7 @@ from botocore.exceptions import (
 from s3transfer.manager import TransferConfig, TransferManager
 
 from job.errors import ConfigError, JobError, StorageError
+from job.manifest import Checksum
 from job.storage.transport import ObjectExists, ObjectInfo, ObjectTransport, PreconditionFailed
 
 # Defaults for botocore's retry policy, used unless AWS_RETRY_MODE / AWS_MAX_ATTEMPTS (or the
@@ -61,6 +62,8 @@ _BROKEN_RESPONSE = (
     IncompleteReadError,
 )
 _T = TypeVar("_T")
+# The full-object checksums S3 records, by the algorithm's name in our manifests (job.checksum).
+_CHECKSUM_HEADERS = {"crc64nvme": "ChecksumCRC64NVME"}
 DEFAULT_PART_SIZE = 64 * 1024**2
 _CREDENTIAL_ERRORS = {
     "InvalidAccessKeyId",
@@ -324,37 +327,44 @@ class S3Transport(ObjectTransport):
 
         return self._retrying(f"writing {self.url(key)}", call)
 
-    def upload_new(self, path: Path, key: str, crc64nvme: str) -> None:
+    def upload_new(self, path: Path, key: str, checksum: Checksum) -> None:
         size = path.stat().st_size
+        header = _CHECKSUM_HEADERS.get(checksum.algorithm)
+        # Giving the full-object checksum makes s3transfer create the multipart upload with
+        # ChecksumType FULL_OBJECT and pass it to CompleteMultipartUpload, where S3 checks it.
+        extra = {} if header is None else {header: checksum.value}
 
         def call() -> None:
             try:
-                # Giving the full-object checksum makes s3transfer create the multipart upload with
-                # ChecksumType FULL_OBJECT and pass it to CompleteMultipartUpload, where S3 checks it.
-                self._transfer.upload(
-                    str(path), self.bucket, key, extra_args={"ChecksumCRC64NVME": crc64nvme}
-                ).result()
+                self._transfer.upload(str(path), self.bucket, key, extra_args=extra).result()
             except ClientError as exc:
                 # 412: the key exists. NoSuchUpload: the upload was completed already. Either can be
                 # this very upload whose successful completion was retried after a lost response.
                 if not (_is_status(exc, 412) or _code(exc)[0] == "NoSuchUpload"):
                     raise
-                if self._stored_checksum(key) != (crc64nvme, size):
+                if self._proven(key, checksum) != (checksum.value, size):
                     raise ObjectExists(f"{self.url(key)} exists (written by another writer)") from None
 
         self._retrying(f"uploading {self.url(key)}", call)
-        stored = self._stored_checksum(key)
-        if stored != (crc64nvme, size):
+        stored = self._proven(key, checksum)
+        if stored != (checksum.value, size):
             raise StorageError(
-                f"{self.url(key)}: S3 holds {stored[1]} bytes with CRC64NVME {stored[0]}, "
-                f"but the local shard has {size} bytes with {crc64nvme}; it is not listed"
+                f"{self.url(key)}: S3 holds {stored[1]} bytes with {checksum.algorithm} {stored[0]}, "
+                f"but the local shard has {size} bytes with {checksum.value}; it is not listed"
             )
 
-    def _stored_checksum(self, key: str) -> tuple[str | None, int]:
-        stored = self.stored_crc64nvme(key)
-        return (None, 0) if stored is None else stored
+    def _proven(self, key: str, checksum: Checksum) -> tuple[str | None, int]:
+        """What the store holds at ``key``: its checksum (read back where it records none) and size."""
+        stored = self.stored_checksum(key, checksum.algorithm)
+        if stored is None:
+            return None, 0
+        if stored[0] is None and (info := self.head(key)) is not None:
+            return self.checksum_by_reading(info, checksum.algorithm), info.size
+        return stored
 
-    def stored_crc64nvme(self, key: str) -> tuple[str | None, int] | None:
+    def stored_checksum(self, key: str, algorithm: str) -> tuple[str | None, int] | None:
+        header = _CHECKSUM_HEADERS.get(algorithm)
+
         def call() -> tuple[str | None, int] | None:
             try:
                 head = self._client.head_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED")
@@ -362,7 +372,7 @@ class S3Transport(ObjectTransport):
                 if _is_status(exc, 404) and _code(exc)[0] != "NoSuchBucket":
                     return None
                 raise
-            return head.get("ChecksumCRC64NVME"), int(head["ContentLength"])
+            return (None if header is None else head.get(header)), int(head["ContentLength"])
 
         return self._retrying(f"verifying {self.url(key)}", call)
 

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from job.errors import JobError
+from awscrt.checksums import crc64nvme
+
+from job.checksum import ALGORITHM, encode
+from job.errors import JobError, StorageError
+from job.manifest import Checksum
+
+_CHUNK = 8 * 2**20
 
 
 @dataclass(frozen=True)
@@ -74,15 +80,29 @@ class ObjectTransport(ABC):
         still at that version; ``create_only``: only if absent. Either raises PreconditionFailed."""
 
     @abstractmethod
-    def upload_new(self, path: Path, key: str, crc64nvme: str) -> None:
+    def upload_new(self, path: Path, key: str, checksum: Checksum) -> None:
         """Upload a shard file to a key that must not exist yet (ObjectExists if it does) and prove
-        the stored object has the file's size and checksum (StorageError otherwise). A retried
-        upload that finds its own earlier, complete attempt succeeds."""
+        the stored object has the file's size and ``checksum`` (StorageError otherwise): by the
+        checksum the store records where it keeps one of that algorithm, else by reading it back
+        (``checksum_by_reading``). A retried upload that finds its own earlier, complete attempt
+        succeeds."""
 
     @abstractmethod
-    def stored_crc64nvme(self, key: str) -> tuple[str | None, int] | None:
-        """The full-object CRC64NVME the store recorded for ``key`` (None if it keeps none) and
-        its size; None if the object is absent. One metadata request, no data read."""
+    def stored_checksum(self, key: str, algorithm: str) -> tuple[str | None, int] | None:
+        """The full-object checksum of ``algorithm`` (``job.checksum.ALGORITHM``) the store
+        recorded for ``key`` (None if it keeps none of that algorithm) and the object's size; None
+        if the object is absent. One metadata request, no data read."""
+
+    def checksum_by_reading(self, info: ObjectInfo, algorithm: str) -> str:
+        """The checksum of ``algorithm`` of that version of the object, computed by reading it
+        (for a store that records none)."""
+        if algorithm != ALGORITHM:
+            raise StorageError(f"{self.url(info.key)}: no reader for checksum algorithm {algorithm!r}")
+        crc, buffer = 0, bytearray(_CHUNK)
+        with self.open_reader(info) as reader:
+            while n := reader.readinto(buffer):
+                crc = crc64nvme(memoryview(buffer)[:n], crc)
+        return encode(crc)
 
     @abstractmethod
     def open_reader(self, info: ObjectInfo) -> IO[bytes]:
