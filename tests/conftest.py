@@ -30,6 +30,7 @@ job/pipeline/stop.py               test_stop_flag, test_sigterm, test_vllm_e2e (
 job/shards/writer.py, format.py    test_shard_writer, test_committer, test_output_stability,
                                    test_shard_planner (plans and layouts)
 job/shards/reader.py               test_shards_roundtrip, test_fp8
+job/shards/access.py, dataset.py   test_dataset, test_dataset_s3, test_shards_roundtrip (iter_output)
 job/storage/local.py, staging.py   test_resume, test_committer, test_shard_planner
 job/storage/objects.py, s3.py      test_s3_store, test_s3_job, test_s3_export
 job/hidden_dtype.py                test_fp8, test_output_stability

@@ -316,8 +316,15 @@ class OutputReader:
     """
 
     def __init__(
-        self, uri: str | Path, *, verify: bool = True, setting: str = "output", read_threads: int = 8
+        self,
+        uri: str | Path,
+        *,
+        verify: bool = True,
+        setting: str = "output",
+        read_threads: int = 8,
+        future: bool = False,
     ) -> None:
+        """``future``: the output may not exist yet (a reader following a job about to start)."""
         self.uri = str(uri)
         self.verify = verify
         self.setting = setting
@@ -329,7 +336,7 @@ class OutputReader:
         if uri_scheme(self.uri) is None:
             self.root = Path(self.uri.removeprefix("file://")).expanduser()
             self.location = str(self.root)
-            if not self.root.is_dir():
+            if not self.root.is_dir() and not (future and not self.root.exists()):
                 raise ConfigError(
                     f"{setting} {self.root}: no such directory (give an output directory or one index-*)"
                 )
@@ -352,7 +359,7 @@ class OutputReader:
         if self.single_index:
             return [self.single_name]
         if self._transport is None:
-            return sorted(d.name for d in self.root.glob("index-*") if d.is_dir())
+            return sorted(d.name for d in self.root.glob("index-*") if d.is_dir())  # none if no root yet
         base = len(self._prefix)
         keys = self._transport.list(self._prefix + "index-")
         return sorted({info.key[base:].split("/", 1)[0] for info in keys if "/" in info.key[base:]})

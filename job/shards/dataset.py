@@ -47,7 +47,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from job.errors import ConfigError, JobError
-from job.layout import index_dir_name, shard_number
+from job.layout import MANIFEST, index_dir_name, shard_number
 from job.manifest import Manifest, ShardEntry
 from job.shards.access import OutputReader, ShardRows, _Pending
 
@@ -97,6 +97,7 @@ class _Progress:
     window: list[tuple[str, str, str]] = field(default_factory=list)  # (index, name, checksum)
     taken: int = 0  # samples of ``window`` handed out
     finished: bool = False
+    listing: dict[str, int] | None = None  # without follow: each index's shards this epoch reads
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,8 @@ class OutputDataset(IterableDataset):
             "window": [list(key) for key in progress.window],
             "taken": progress.taken,
             "finished": progress.finished,
+            "listing": progress.listing,
+            "follow": self.follow,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -197,6 +200,7 @@ class OutputDataset(IterableDataset):
             )
         slot = self._slot()
         expected = {
+            "follow": self.follow,
             "shuffle_seed": self.shuffle_seed,
             "shuffle_shards": self.shuffle_shards,
             "rank": slot.rank,
@@ -219,6 +223,7 @@ class OutputDataset(IterableDataset):
             window=[tuple(key) for key in state["window"]],  # type: ignore[misc]
             taken=state["taken"],
             finished=state["finished"],
+            listing=state["listing"],
         )
         self._restored = True
 
@@ -237,7 +242,11 @@ class OutputDataset(IterableDataset):
         if progress.finished:
             return
         reader = OutputReader(
-            self.uri, verify=self.verify, setting="OutputDataset", read_threads=self.read_threads
+            self.uri,
+            verify=self.verify,
+            setting="OutputDataset",
+            read_threads=self.read_threads,
+            future=self.follow,
         )
         plan = _Plan(self, reader, self._slot(), progress)
         prefetch = _Prefetcher(
@@ -290,22 +299,41 @@ class _Plan:
         self.manifests: dict[str, Manifest | None] = {}
         self.stop = threading.Event()  # the consumer has gone: end the plan at the next poll
 
-    def _owned(self, index: str, entry: ShardEntry) -> bool:
-        slots = self.slot.slots
-        if slots == 1:
-            return True
-        number = shard_number(entry.name)
-        if number is None:
-            raise OutputChanged(
-                f"{self.reader.where(index, entry.name)}: listed under a name without a shard number"
-            )
+    def _rotation(self, index: str, size: int) -> list[int]:
+        """The order in which ``size`` ranks (or workers) take ties for ``index``: rotated by
+        frac(i x golden ratio + u(seed, epoch)), so the ties of successive indexes fall apart."""
         salt = (
             0.0
             if self.ds.shuffle_seed is None
             else _unit("offset", self.ds.shuffle_seed, self.progress.epoch)
         )
-        offset = int(((_index_number(index) * _GOLDEN + salt) % 1.0) * slots)
-        return (number + offset) % slots == self.slot.number
+        offset = int(((_index_number(index) * _GOLDEN + salt) % 1.0) * size)
+        return [(offset + k) % size for k in range(size)]
+
+    def _owners(self, visible: dict[str, list[ShardEntry]]) -> dict[tuple[str, str], tuple[int, int]]:
+        """(rank, worker) of every visible shard: each to the least-loaded rank in tokens, then to
+        that rank's least-loaded worker (ties in the index's rotation). Without follow, over all
+        shards at once, largest first: ranks end within one shard of each other. With follow, per
+        index in manifest order, a manifest only growing at its end: a shard's owner depends on
+        the shards listed before it in its index alone, so it never changes as others appear."""
+        slot = self.slot
+        owners: dict[tuple[str, str], tuple[int, int]] = {}
+        if self.ds.follow:
+            groups = [[(index, entry) for entry in entries] for index, entries in sorted(visible.items())]
+        else:
+            everything = [(index, entry) for index, entries in sorted(visible.items()) for entry in entries]
+            everything.sort(key=lambda item: (-item[1].num_tokens, item[0], shard_number(item[1].name) or 0))
+            groups = [everything]
+        for group in groups:
+            ranks = [0] * slot.world_size
+            workers = [[0] * slot.num_workers for _ in range(slot.world_size)]
+            for index, entry in group:
+                rank = min(self._rotation(index, slot.world_size), key=lambda r: ranks[r])
+                worker = min(self._rotation(index, slot.num_workers), key=lambda w, r=rank: workers[r][w])
+                ranks[rank] += entry.num_tokens
+                workers[rank][worker] += entry.num_tokens
+                owners[(index, entry.name)] = (rank, worker)
+        return owners
 
     def _poll(self) -> bool:
         """Read the manifests again; True when every index is complete (the epoch can end)."""
@@ -342,17 +370,35 @@ class _Plan:
             self.manifests.get(index) is not None and self.manifests[index].complete for index in names
         )  # type: ignore[union-attr]
 
+    def _visible(self) -> dict[str, list[ShardEntry]]:
+        """Each index's listed shards this epoch reads: with follow, all of them; else the
+        manifests' first entries as counted when the epoch began (``listing``, kept in the state)."""
+        visible = {index: list(m.shards) for index, m in self.manifests.items() if m is not None}
+        if self.ds.follow:
+            return visible
+        if self.progress.listing is None:
+            self.progress.listing = {index: len(entries) for index, entries in visible.items()}
+        for index, count in self.progress.listing.items():
+            if (now := len(visible.get(index, []))) < count:
+                raise OutputChanged(
+                    f"{self.reader.where(index, MANIFEST)}: lists {now} shards, this epoch began with "
+                    f"{count}: the index was rewritten; start the epoch again without the saved state"
+                )
+        return {index: visible[index][:count] for index, count in self.progress.listing.items()}
+
     def _candidates(self) -> list[tuple[str, ShardEntry]]:
+        visible = self._visible()
+        owners = self._owners(visible)
+        mine = (self.slot.rank, self.slot.worker)
         found = [
             (index, entry)
-            for index, manifest in sorted(self.manifests.items())
-            if manifest is not None
-            for entry in manifest.shards
-            if (index, entry.name) not in self.seen and self._owned(index, entry)
+            for index, entries in sorted(visible.items())
+            for entry in entries
+            if (index, entry.name) not in self.seen and owners[(index, entry.name)] == mine
         ]
         seed = self.ds.shuffle_seed
         if seed is None:
-            return sorted(found, key=lambda item: (item[0], shard_number(item[1].name) or 0))
+            return found
         return sorted(
             found, key=lambda item: _hash("order", seed, self.progress.epoch, item[0], item[1].name)
         )

@@ -1,0 +1,457 @@
+"""``OutputDataset`` and ``OutputReader`` over outputs the job wrote (HF backend, local; the S3
+side is tests/test_dataset_s3.py).
+
+* the writer's per-range checksums, recomputed from the file's bytes by this file's own parser;
+* 4 ranks x 2 DataLoader workers: every sample exactly once, equal to the output, ranks within
+  about a shard of each other in tokens, the same order on every run for a seed and epoch;
+* the reading process SIGKILLed mid-epoch, resumed from its saved StatefulDataLoader state;
+* following a job that is SIGKILLed twice and resumed: every sample once, the epoch ends alone;
+* a flipped byte (rows, header), a missing shard, a superseded index: errors naming the shard;
+* FP8 shards decoded as the safetensors-based reader decodes them; stored layers picked;
+* importing and reading with vLLM and pydantic-settings made unimportable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from awscrt.checksums import combine_crc64nvme, crc64nvme
+from conftest import with_sitecustomize
+from torch.utils.data import DataLoader
+
+from job.checksum import encode
+from job.errors import ConfigError, DamagedShard
+from job.shards import OutputChanged, OutputDataset, Shard, iter_output, read_manifest
+
+REPO = Path(__file__).resolve().parent.parent
+CHAT = REPO / "config" / "examples" / "chat.jsonl"
+LINES = 30  # of chat.jsonl: about 6k tokens
+# 4 float32 layers of the tiny model are 2 KiB a token: ~250-token shards, several samples each
+ARGS = ("--output.shard_bytes=512KiB", "--data.max_length=512", "--log.format=json")
+
+
+def chat_lines(tmp: Path, lines: int = LINES) -> Path:
+    path = tmp / "chat.jsonl"
+    path.write_bytes(b"".join(CHAT.read_bytes().splitlines(keepends=True)[:lines]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def output(
+    tmp_path_factory: pytest.TempPathFactory, run_job: Callable[..., Any], fast_args: tuple[str, ...]
+) -> Path:
+    """An output of two indexes (work.count 2), written by the job."""
+    root = tmp_path_factory.mktemp("dataset")
+    data, out = chat_lines(root), root / "out"
+    for index in (0, 1):
+        result = run_job(
+            "run", f"--data.path={data}", f"--output.uri={out}", "--work.count=2", f"--work.index={index}",
+            *ARGS, *fast_args,
+        )  # fmt: skip
+        assert result.rc == 0, result.describe()
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(output: Path) -> dict[str, Any]:
+    return {s.sample_id: s for s in iter_output(output, require_complete=True)}
+
+
+def copy_of(output: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "copy"
+    shutil.copytree(output, target)
+    return target
+
+
+def listed(out: Path) -> list[tuple[str, Any]]:
+    """(index, shard entry) of every listed shard."""
+    found = []
+    for index in sorted(p.name for p in out.glob("index-*")):
+        manifest = read_manifest(out / index)
+        assert manifest is not None
+        found += [(index, entry) for entry in manifest.shards]
+    return found
+
+
+def read_all(dataset: OutputDataset, workers: int) -> list[dict[str, Any]]:
+    return list(DataLoader(dataset, batch_size=None, num_workers=workers))
+
+
+# -- the writer's per-range checksums -----------------------------------------------------------
+
+
+def test_range_checksums_cover_each_samples_bytes(output: Path) -> None:
+    """Recomputed from the raw file: the header with the offsets, and per sample its rows, ids
+    and mask in file order."""
+    for index, entry in listed(output):
+        data = (output / index / entry.name).read_bytes()
+        (length,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + length])
+        base = 8 + length
+
+        def tensor(name: str, data: bytes = data, header: dict[str, Any] = header, base: int = base) -> bytes:
+            start, stop = header[name]["data_offsets"]
+            return data[base + start : base + stop]
+
+        offsets = tensor("sample_offsets")
+        assert entry.ranges is not None and entry.ranges.algorithm == "crc64nvme"
+        assert encode(crc64nvme(offsets, crc64nvme(data[:base]))) == entry.ranges.layout
+        bounds = struct.unpack(f"<{len(offsets) // 8}q", offsets)
+        rows, ids, mask = tensor("hidden_states"), tensor("input_ids"), tensor("loss_mask")
+        row = len(rows) // bounds[-1]
+        assert len(entry.ranges.samples) == entry.num_samples > 0
+        for i, checksum in enumerate(entry.ranges.samples):
+            a, b = bounds[i], bounds[i + 1]
+            crc = 0
+            for part in (rows[a * row : b * row], ids[a * 4 : b * 4], mask[a:b]):
+                crc = combine_crc64nvme(crc, crc64nvme(part), len(part))
+            assert encode(crc) == checksum, (entry.name, i)
+
+
+# -- split, shuffle, balance --------------------------------------------------------------------
+
+
+def test_four_ranks_two_workers_read_the_output_exactly_once(output: Path, expected: dict[str, Any]) -> None:
+    shards = listed(output)
+    assert len(shards) >= 10 and len({index for index, _ in shards}) == 2
+    by_rank = {
+        rank: read_all(OutputDataset(str(output), rank=rank, world_size=4, shuffle_seed=11), workers=2)
+        for rank in range(4)
+    }
+    ids = [s["sample_id"] for samples in by_rank.values() for s in samples]
+    assert sorted(ids) == sorted(expected) and len(ids) == len(set(ids))
+    for samples in by_rank.values():
+        for got in samples:
+            want = expected[got["sample_id"]]
+            assert torch.equal(got["input_ids"], want.input_ids)
+            assert torch.equal(got["loss_mask"], want.loss_mask)
+            assert torch.equal(got["hidden_states"], want.hidden_states)
+    tokens = [sum(len(s["input_ids"]) for s in samples) for samples in by_rank.values()]
+    largest = max(entry.num_tokens for _, entry in shards)
+    assert max(tokens) - min(tokens) <= largest, (tokens, largest)
+
+
+def test_the_order_is_a_function_of_seed_and_epoch(output: Path) -> None:
+    def order(seed: int | None, epoch: int) -> list[str]:
+        dataset = OutputDataset(str(output), rank=1, world_size=2, shuffle_seed=seed)
+        dataset.set_epoch(epoch)
+        return [s["sample_id"] for s in read_all(dataset, workers=2)]
+
+    first = order(5, 0)
+    assert order(5, 0) == first
+    assert order(5, 1) != first and sorted(order(5, 1)) != sorted(first)  # another split too
+    assert order(6, 0) != first
+    plain = order(None, 0)
+    assert plain == order(None, 0) != first
+
+
+# -- resume ---------------------------------------------------------------------------------------
+
+READER = r"""
+import os, sys, time, torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+from job.shards import OutputDataset
+
+uri, checkpoint, pause = sys.argv[1], sys.argv[2], float(sys.argv[3])
+dataset = OutputDataset(uri, rank=0, world_size=1, shuffle_seed=7, shuffle_shards=3)
+dataset.set_epoch(2)
+loader = StatefulDataLoader(dataset, batch_size=None, num_workers=2)
+ids = []
+if os.path.exists(checkpoint):
+    saved = torch.load(checkpoint, weights_only=False)
+    loader.load_state_dict(saved["state"])
+    ids = saved["ids"]
+for sample in loader:
+    ids.append(sample["sample_id"])
+    torch.save({"state": loader.state_dict(), "ids": ids}, checkpoint + ".tmp")
+    os.replace(checkpoint + ".tmp", checkpoint)  # the ids and the state that follows them, at once
+    print(len(ids), flush=True)
+    time.sleep(pause)
+print("END", flush=True)
+"""
+
+
+def run_reader(output: Path, checkpoint: Path, env: dict[str, str], pause: float) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", READER, str(output), str(checkpoint), str(pause)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def test_a_reader_killed_mid_epoch_resumes_from_its_state(
+    output: Path, expected: dict[str, Any], job_env: dict[str, str], tmp_path: Path
+) -> None:
+    whole = tmp_path / "whole.pt"
+    proc = run_reader(output, whole, job_env, 0)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    uninterrupted = torch.load(whole, weights_only=False)["ids"]
+    assert sorted(uninterrupted) == sorted(expected)
+
+    checkpoint = tmp_path / "killed.pt"
+    proc = run_reader(output, checkpoint, job_env, 0.2)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if int(line) >= len(expected) // 3:
+            break
+    os.killpg(proc.pid, signal.SIGKILL)  # the reader and its DataLoader workers
+    proc.wait()
+    before = torch.load(checkpoint, weights_only=False)["ids"]
+    assert 0 < len(before) < len(expected)
+    proc = run_reader(output, checkpoint, job_env, 0)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and out.endswith("END\n"), err
+    resumed = torch.load(checkpoint, weights_only=False)["ids"]
+    assert resumed == uninterrupted  # none twice, none lost, in the same order
+
+
+def test_state_of_another_world_size_is_refused(output: Path) -> None:
+    dataset = OutputDataset(str(output), rank=0, world_size=2, shuffle_seed=1)
+    iterator = iter(dataset)
+    next(iterator)
+    state = dataset.state_dict()
+    with pytest.raises(ConfigError, match=r"world_size 2 \(now 4\)"):
+        OutputDataset(str(output), rank=0, world_size=4, shuffle_seed=1).load_state_dict(state)
+
+
+# -- following a running job --------------------------------------------------------------------
+
+FOLLOWER = r"""
+import sys
+from torch.utils.data import DataLoader
+from job.shards import OutputDataset
+
+dataset = OutputDataset(sys.argv[1], follow=True, shuffle_seed=3, poll_interval_s=0.1)
+for sample in DataLoader(dataset, batch_size=None, num_workers=2):
+    print(sample["sample_id"], flush=True)
+print("END", flush=True)
+"""
+
+
+def committed_shards(out: Path) -> int:
+    manifest = (
+        read_manifest(out / "index-00000") if (out / "index-00000" / "manifest.json").exists() else None
+    )
+    return 0 if manifest is None else len(manifest.shards)
+
+
+def test_following_a_job_killed_twice(
+    tmp_path: Path, job_env: dict[str, str], fast_args: tuple[str, ...]
+) -> None:
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "job", "run", f"--data.path={chat_lines(tmp_path)}", f"--output.uri={out}"]
+    args += [*ARGS, *fast_args]
+    follower = subprocess.Popen(
+        [sys.executable, "-c", FOLLOWER, str(out)], env=job_env, stdout=subprocess.PIPE, text=True
+    )
+    lines: list[str] = []
+    assert follower.stdout is not None
+    collector = threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in follower.stdout))
+    collector.start()
+    try:
+        for _ in range(2):
+            job = subprocess.Popen(args, env=job_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            at_start = committed_shards(out)
+            deadline = time.monotonic() + 240
+            while committed_shards(out) < at_start + 2 and job.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert job.poll() is None, "the job finished before it could be killed"
+            job.send_signal(signal.SIGKILL)
+            job.wait()
+        time.sleep(1)
+        assert follower.poll() is None  # the output is not complete: the follower waits
+        read_while_killed = len(lines)
+        job = subprocess.run(args, env=job_env, capture_output=True, text=True, timeout=600)
+        assert job.returncode == 0, job.stderr[-3000:]
+        follower.wait(timeout=120)
+        collector.join()
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    assert read_while_killed > 0  # it read the killed runs' committed shards as they came
+    assert lines[-1] == "END"
+    written = [s.sample_id for s in iter_output(out, require_complete=True)]
+    assert sorted(lines[:-1]) == sorted(written) and len(set(lines[:-1])) == len(written)
+
+
+def test_follow_never_reads_a_shard_no_manifest_lists(output: Path, tmp_path: Path) -> None:
+    """A shard file the manifest does not list (a killed run's) is never read; a second index
+    that has not started keeps the epoch open."""
+    out = copy_of(output, tmp_path)
+    manifest = json.loads((out / "index-00000" / "manifest.json").read_text())
+    unlisted = manifest["shards"].pop()
+    manifest["complete"] = False
+    (out / "index-00000" / "manifest.json").write_text(json.dumps(manifest))
+    shutil.rmtree(out / "index-00001")
+    dataset = OutputDataset(str(out), follow=True, poll_interval_s=0.05)
+    got: list[str] = []
+    iterator = iter(dataset)
+    expected_ids = [sid for entry in manifest["shards"] for sid in entry["sample_ids"]]
+    while len(got) < len(expected_ids):
+        got.append(next(iterator)["sample_id"])
+    assert sorted(got) == sorted(expected_ids)
+    assert not set(got) & set(unlisted["sample_ids"])
+    iterator.close()  # type: ignore[attr-defined]
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with path.open("r+b") as f:
+        f.seek(offset)
+        value = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([value ^ 0x01]))
+
+
+def test_a_flipped_byte_stops_the_epoch_naming_the_shard(output: Path, tmp_path: Path) -> None:
+    out = copy_of(output, tmp_path)
+    index, entry = listed(out)[2]
+    flip_byte(out / index / entry.name, entry.bytes // 3)  # in the hidden-state rows
+    damaged = rf"{entry.name}: checksum .* of sample \d+ .* differs from the manifest's"
+    with pytest.raises(DamagedShard, match=damaged):
+        read_all(OutputDataset(str(out)), workers=0)
+    with pytest.raises(Exception, match=rf"{entry.name}: checksum .* of sample"):
+        read_all(OutputDataset(str(out)), workers=2)  # raised in a worker, re-raised here
+    assert len(read_all(OutputDataset(str(out), verify=False), workers=0)) == len(list(iter_output(output)))
+    flip_byte(out / index / entry.name, entry.bytes // 3)
+    flip_byte(out / index / entry.name, 100)  # in the header's JSON
+    with pytest.raises(DamagedShard, match=rf"{entry.name}: .*damaged.*on_damaged_shard=reextract"):
+        read_all(OutputDataset(str(out)), workers=0)
+
+
+def test_a_shard_listed_without_range_checksums_is_verified_whole(output: Path, tmp_path: Path) -> None:
+    """A manifest from before per-range checksums: the whole shard is checked when opened."""
+    out = copy_of(output, tmp_path)
+    for index in ("index-00000", "index-00001"):
+        path = out / index / "manifest.json"
+        manifest = json.loads(path.read_text())
+        for entry in manifest["shards"]:
+            del entry["ranges"]
+        path.write_text(json.dumps(manifest))
+    assert len(read_all(OutputDataset(str(out)), workers=0)) == len(list(iter_output(output)))
+    index, entry = listed(out)[-1]
+    flip_byte(out / index / entry.name, entry.bytes - 3)  # the last sample's mask
+    with pytest.raises(DamagedShard, match=rf"{entry.name}: checksum .* differs from the manifest's"):
+        read_all(OutputDataset(str(out)), workers=0)
+
+
+def test_a_missing_shard_is_named(output: Path, tmp_path: Path) -> None:
+    out = copy_of(output, tmp_path)
+    index, entry = listed(out)[1]
+    (out / index / entry.name).unlink()
+    with pytest.raises(DamagedShard, match=rf"{entry.name}: listed in {index}/manifest.json but missing"):
+        read_all(OutputDataset(str(out), shuffle_seed=1), workers=0)
+
+
+def test_a_superseded_index_stops_a_resumed_epoch(
+    output: Path, tmp_path: Path, run_job: Callable[..., Any], fast_args: tuple[str, ...]
+) -> None:
+    """The state names shards by name and checksum: an index written again by another run (here
+    deleted and rerun with other shard sizes) is refused, naming a shard, not read half twice."""
+    out = copy_of(output, tmp_path)
+    dataset = OutputDataset(str(out), shuffle_seed=2, shuffle_shards=2)
+    iterator = iter(dataset)
+    for _ in range(12):
+        next(iterator)
+    state = dataset.state_dict()
+    iterator.close()  # type: ignore[attr-defined]
+    read = {name for names in state["done"].values() for name in names} | {w[1] for w in state["window"]}
+    assert read
+    shutil.rmtree(out / "index-00000")
+    shutil.rmtree(out / "index-00001")
+    for index in (0, 1):
+        result = run_job(
+            "run", f"--data.path={chat_lines(tmp_path)}", f"--output.uri={out}", "--work.count=2",
+            f"--work.index={index}", "--output.shard_bytes=300KiB", "--data.max_length=512", *fast_args,
+        )  # fmt: skip
+        assert result.rc == 0, result.describe()
+    resumed = OutputDataset(str(out), shuffle_seed=2, shuffle_shards=2)
+    resumed.load_state_dict(state)
+    changed = r"shard-\d+\.safetensors: this epoch read it with checksum .* start the epoch again"
+    with pytest.raises(OutputChanged, match=changed):
+        read_all(resumed, workers=0)
+
+
+# -- what is read ---------------------------------------------------------------------------------
+
+
+def test_layers_pick_stored_layers(output: Path, expected: dict[str, Any]) -> None:
+    stored = next(iter(expected.values())).layer_ids
+    picked = [stored[-1], stored[0]]
+    for got in read_all(OutputDataset(str(output), layers=picked), workers=0):
+        want = expected[got["sample_id"]].hidden_states
+        assert torch.equal(got["hidden_states"], want[:, [len(stored) - 1, 0]])
+    with pytest.raises(ConfigError, match=r"layers \[999\] are not stored"):
+        read_all(OutputDataset(str(output), layers=[999]), workers=0)
+
+
+def test_fp8_shards_are_decoded_to_the_model_dtype(
+    tmp_path: Path, run_job: Callable[..., Any], fast_args: tuple[str, ...]
+) -> None:
+    out = tmp_path / "fp8"
+    result = run_job(
+        "run", f"--data.path={chat_lines(tmp_path, 8)}", f"--output.uri={out}",
+        "--output.hidden_dtype=fp8_e4m3", *ARGS, *fast_args,
+    )  # fmt: skip
+    assert result.rc == 0, result.describe()
+    reference = {}  # decoded by the safetensors-based reader (job.shards.reader.Shard)
+    for index, entry in listed(out):
+        for sample in Shard(out / index / entry.name):
+            reference[sample.sample_id] = sample
+    got = read_all(OutputDataset(str(out), shuffle_seed=0), workers=2)
+    assert sorted(s["sample_id"] for s in got) == sorted(reference)
+    for sample in got:
+        assert sample["hidden_states"].dtype == torch.float32
+        assert torch.equal(sample["hidden_states"], reference[sample["sample_id"]].hidden_states)
+
+
+REFUSE = (
+    "import sys\n"
+    "class Refuse:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name.split('.')[0] in ('vllm', 'pydantic_settings'):\n"
+    "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+    "        return None\n"
+    "sys.meta_path.insert(0, Refuse())\n"
+)
+
+
+def test_the_reading_side_needs_neither_vllm_nor_the_settings(
+    output: Path, expected: dict[str, Any], job_env: dict[str, str], tmp_path: Path
+) -> None:
+    script = (
+        "import sys\n"
+        "from job.shards import OutputDataset, iter_output\n"
+        f"ids = [s['sample_id'] for s in OutputDataset({str(output)!r}, shuffle_seed=1)]\n"
+        "assert 'job.settings' not in sys.modules and 'vllm' not in sys.modules, sorted(sys.modules)\n"
+        "print(len(ids))\n"
+    )
+    env = {**job_env, "PYTHONPATH": with_sitecustomize(tmp_path / "site", REFUSE)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout) == len(expected)
+    env_check = subprocess.run(
+        [sys.executable, "-c", "import pydantic_settings"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert env_check.returncode != 0  # the refusal works
