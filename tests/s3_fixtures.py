@@ -354,7 +354,8 @@ class FaultProxy:
     the response body (past botocore's retries for streamed GETs), or an error answer whose XML
     body is cut off by a reset (botocore reads it outside its retries); ``fault_for`` may choose
     one for chosen requests instead. ``delay`` may slow
-    chosen requests; ``hold`` may block one forever (the job is killed meanwhile). Requests are
+    chosen requests; ``hold`` may block one forever (the job is killed meanwhile);
+    ``strip_headers`` drops response headers (a store that keeps no checksum). Requests are
     passed on byte for byte, so their SigV4 signatures stay valid. It stops itself after
     ``lifetime_s``, whatever the test does.
     """
@@ -366,6 +367,7 @@ class FaultProxy:
         self.fault_for: Callable[[Request], str | None] | None = None  # a chosen fault, else random
         self.delay: Callable[[Request], float] | None = None
         self.hold: Callable[[Request], bool] | None = None
+        self.strip_headers: set[str] = set()  # response headers (lower case) never passed back
         self.held = threading.Event()
         self.requests: list[Request] = []
         self.faults: Counter[str] = Counter()
@@ -454,7 +456,8 @@ class FaultProxy:
                 lines += [
                     f"{k}: {v}"
                     for k, v in response.getheaders()
-                    if k.lower() not in ("transfer-encoding", "content-length", "connection")
+                    if k.lower()
+                    not in ("transfer-encoding", "content-length", "connection", *self.strip_headers)
                 ]
                 length = response.getheader("Content-Length") if request.method == "HEAD" else str(len(body))
                 lines.append(f"Content-Length: {length or 0}")

@@ -1,0 +1,180 @@
+"""``OutputDataset`` on an output the job wrote to S3 (SeaweedFS): ranks and workers read it
+exactly once and equal to a downloaded copy; a follower reads a job SIGKILLed and resumed on S3;
+a damaged or missing object is named; and a store that keeps no checksum (the proxy drops it)
+neither fails uploads nor makes resumed shards look damaged, yet a damaged one is still found."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.register_assert_rewrite("s3_fixtures")
+
+from s3_fixtures import REPO, FaultProxy, JobProcess, job_args, job_env, run_job  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from job.errors import EXIT_CONFIG, DamagedShard  # noqa: E402
+from job.shards import OutputDataset, iter_output  # noqa: E402
+
+pytest_plugins = ["s3_fixtures"]
+pytestmark = pytest.mark.s3
+
+
+@pytest.fixture(scope="module")
+def on_s3(
+    s3_endpoint: str, s3: Any, bucket: str, job_cache: str, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """One finished run on S3 (s3://bucket/dataset-src), and a local copy of what it wrote."""
+    args = job_args(output__uri=f"s3://{bucket}/dataset-src", data__path=f"s3://{bucket}/data/")
+    job = run_job(args, job_env(s3_endpoint, job_cache))
+    assert job.proc.returncode == 0, job.tail()
+    local = tmp_path_factory.mktemp("downloaded")
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="dataset-src/"):
+        for obj in page["Contents"]:
+            target = local / obj["Key"].removeprefix("dataset-src/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            s3.download_file(bucket, obj["Key"], str(target))
+    return local
+
+
+@pytest.fixture(scope="module")
+def small_data(s3: Any, bucket: str) -> str:
+    """12 records of the example chat data (about 2.5k tokens: 3 shards), for the runs that are
+    killed or repeated."""
+    lines = (REPO / "config" / "examples" / "chat.jsonl").read_bytes().splitlines(keepends=True)
+    s3.put_object(Bucket=bucket, Key="dataset-data/chat.jsonl", Body=b"".join(lines[:12]))
+    return f"s3://{bucket}/dataset-data/"
+
+
+@pytest.fixture
+def s3_env(monkeypatch: pytest.MonkeyPatch, s3_endpoint: str, job_cache: str) -> dict[str, str]:
+    env = job_env(s3_endpoint, job_cache)
+    for key, value in env.items():
+        if key.startswith("AWS_"):
+            monkeypatch.setenv(key, value)
+    return env
+
+
+def test_ranks_and_workers_read_an_s3_output_exactly_once(
+    on_s3: Path, s3_env: dict[str, str], bucket: str
+) -> None:
+    import torch
+
+    local = {s.sample_id: s for s in iter_output(on_s3, require_complete=True)}
+    seen = []
+    for rank in range(4):
+        dataset = OutputDataset(f"s3://{bucket}/dataset-src", rank=rank, world_size=4, shuffle_seed=4)
+        for sample in DataLoader(dataset, batch_size=None, num_workers=2):
+            want = local[sample["sample_id"]]
+            assert torch.equal(sample["hidden_states"], want.hidden_states)
+            assert torch.equal(sample["input_ids"], want.input_ids)
+            assert torch.equal(sample["loss_mask"], want.loss_mask)
+            seen.append(sample["sample_id"])
+    assert sorted(seen) == sorted(local) and len(seen) == len(set(seen))
+
+
+def test_damaged_and_missing_objects_are_named(
+    on_s3: Path, s3_env: dict[str, str], s3: Any, bucket: str
+) -> None:
+    manifest = json.loads((on_s3 / "index-00000" / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        key = f"dataset-src/index-00000/{entry['name']}"
+        s3.copy_object(
+            Bucket=bucket, Key=key.replace("dataset-src", "dataset-bad"), CopySource=f"{bucket}/{key}"
+        )
+    for name in ("extraction.json", "index-00000/manifest.json"):
+        s3.put_object(Bucket=bucket, Key=f"dataset-bad/{name}", Body=(on_s3 / name).read_bytes())
+    victim = manifest["shards"][1]["name"]
+    data = bytearray((on_s3 / "index-00000" / victim).read_bytes())
+    data[len(data) // 2] ^= 1  # in the hidden-state rows
+    s3.put_object(Bucket=bucket, Key=f"dataset-bad/index-00000/{victim}", Body=bytes(data))
+    url = f"s3://{bucket}/dataset-bad/index-00000/{victim}"
+    with pytest.raises(
+        DamagedShard, match=rf"{url}: checksum .* of sample \d+ .* differs from the manifest's"
+    ):
+        list(OutputDataset(f"s3://{bucket}/dataset-bad"))
+    s3.delete_object(Bucket=bucket, Key=f"dataset-bad/index-00000/{victim}")
+    with pytest.raises(DamagedShard, match=rf"{url}: listed in index-00000/manifest.json but missing"):
+        list(OutputDataset(f"s3://{bucket}/dataset-bad"))
+
+
+FOLLOWER = r"""
+import sys
+from torch.utils.data import DataLoader
+from job.shards import OutputDataset
+
+dataset = OutputDataset(sys.argv[1], follow=True, shuffle_seed=1, poll_interval_s=0.2)
+for sample in DataLoader(dataset, batch_size=None, num_workers=2):
+    print(sample["sample_id"], flush=True)
+print("END", flush=True)
+"""
+
+
+def test_following_a_job_on_s3_killed_and_resumed(
+    s3_endpoint: str, s3_env: dict[str, str], bucket: str, job_cache: str, small_data: str
+) -> None:
+    uri = f"s3://{bucket}/dataset-follow"
+    args = job_args(
+        output__uri=uri, data__path=small_data, output__shard_bytes="1MiB", output__part_size="5MiB"
+    )
+    follower = subprocess.Popen(
+        [sys.executable, "-c", FOLLOWER, uri], env=s3_env, stdout=subprocess.PIPE, text=True
+    )
+    lines: list[str] = []
+    assert follower.stdout is not None
+    collector = threading.Thread(target=lambda: lines.extend(line.rstrip("\n") for line in follower.stdout))
+    collector.start()
+    try:
+        job = JobProcess(args, job_env(s3_endpoint, job_cache))
+        job.wait_event("shard_committed", count=2)
+        job.kill9()
+        job = run_job(args, job_env(s3_endpoint, job_cache))
+        assert job.proc.returncode == 0, job.tail()
+        follower.wait(timeout=120)
+        collector.join()
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    assert lines[-1] == "END"
+    written = [s.sample_id for s in iter_output(uri, require_complete=True)]
+    assert sorted(lines[:-1]) == sorted(written) and len(set(lines[:-1])) == len(written)
+
+
+def test_a_store_that_keeps_no_checksum(
+    s3: Any, bucket: str, job_cache: str, fault_proxy: FaultProxy, small_data: str
+) -> None:
+    """Uploads are proven, and resumed shards checked, by reading the objects back."""
+    fault_proxy.strip_headers = {"x-amz-checksum-crc64nvme", "x-amz-checksum-type"}
+    env = job_env(fault_proxy.endpoint, job_cache)
+    args = job_args(
+        output__uri=f"s3://{bucket}/dataset-nochecksum",
+        data__path=small_data,
+        output__verify_on_resume="checksum",
+    )
+    job = run_job(args, env)
+    assert job.proc.returncode == 0, job.tail()
+    gets = [r for r in fault_proxy.requests if r.operation == "GetObject" and ".safetensors" in r.path]
+    assert gets  # proven by reading back, not by a checksum the store did not report
+    key = "dataset-nochecksum/index-00000/manifest.json"
+    manifest = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    manifest["complete"] = False  # as an interrupted run leaves it: the resume checks every shard
+    s3.put_object(Bucket=bucket, Key=key, Body=json.dumps(manifest).encode())
+    job = run_job(args, env)
+    assert job.proc.returncode == 0, job.tail()  # no shard looked damaged
+    victim = manifest["shards"][0]["name"]
+    shard_key = f"dataset-nochecksum/index-00000/{victim}"
+    data = bytearray(s3.get_object(Bucket=bucket, Key=shard_key)["Body"].read())
+    data[len(data) // 2] ^= 1
+    s3.put_object(Bucket=bucket, Key=shard_key, Body=bytes(data))
+    manifest = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    manifest["complete"] = False
+    s3.put_object(Bucket=bucket, Key=key, Body=json.dumps(manifest).encode())
+    job = run_job(args, env)
+    assert job.proc.returncode == EXIT_CONFIG, job.tail()
+    assert victim in job.tail() and "on_damaged_shard=reextract" in job.tail()
