@@ -57,7 +57,6 @@ from job.storage.transport import ObjectInfo, ObjectTransport
 PART_BYTES = 8 * 2**20  # one ranged GET of a sample's rows at most: large requests, yet parallel
 _HEADER_GUESS = 64 * 1024  # the first GET of a shard: its header (padded to 4 KiB) is usually less
 _MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
-_OPEN_SHARDS = 64  # shards kept open per reader (mappings or fetched headers and tails)
 _REEXTRACT = (
     "rerun that index of the job with output.verify_on_resume=checksum and "
     "output.on_damaged_shard=reextract (it drops and extracts the damaged shard again), or restore it"
@@ -311,7 +310,7 @@ class OutputReader:
     """An output (a local directory or ``s3://bucket/prefix``; or one ``index-*`` of it) for readers.
 
     ``manifest(index)`` reads an index's manifest as it is now (``refresh`` reads every index's
-    again); ``shard(index, name)`` opens a listed shard (kept open, up to ``_OPEN_SHARDS``);
+    again); ``shard(index, name)`` opens a listed shard (kept open, up to ``max_open``);
     ``sample(index, name, position)`` reads one sample. Thread-safe.
     """
 
@@ -323,9 +322,12 @@ class OutputReader:
         setting: str = "output",
         read_threads: int = 8,
         future: bool = False,
+        max_open: int = 64,
     ) -> None:
-        """``future``: the output may not exist yet (a reader following a job about to start)."""
+        """``future``: the output may not exist yet (a reader following a job about to start);
+        ``max_open``: shards kept open (a local one's pages stay resident while it is mapped)."""
         self.uri = str(uri)
+        self.max_open = max_open
         self.verify = verify
         self.setting = setting
         self.read_threads = read_threads
@@ -429,7 +431,7 @@ class OutputReader:
         opened = self._open_shard(index, entry)
         with self._lock:
             self._open[key] = opened
-            while len(self._open) > _OPEN_SHARDS:
+            while len(self._open) > self.max_open:
                 self._open.popitem(last=False)
         return opened
 

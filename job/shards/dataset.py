@@ -247,6 +247,7 @@ class OutputDataset(IterableDataset):
             setting="OutputDataset",
             read_threads=self.read_threads,
             future=self.follow,
+            max_open=self.shuffle_shards + 2,  # the window and the next shard read ahead
         )
         plan = _Plan(self, reader, self._slot(), progress)
         prefetch = _Prefetcher(
