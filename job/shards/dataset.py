@@ -49,7 +49,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from job.errors import ConfigError, JobError
 from job.layout import MANIFEST, index_dir_name, shard_number
 from job.manifest import Manifest, ShardEntry
-from job.shards.access import OutputReader, ShardRows, _Pending
+from job.shards.access import Buffers, OutputReader, ShardRows, _Pending
 
 STATE_VERSION = 1
 _GOLDEN = (math.sqrt(5) - 1) / 2
@@ -458,6 +458,7 @@ class _Prefetcher:
         self._open_shard = open_shard
         self._cap = cap
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="output-read")
+        self._buffers = Buffers(2 * cap)  # memory of samples the consumer has dropped, used again
         self._ready: deque[tuple[_Planned, ShardRows, _Pending, int]] = deque()
         self._held = 0  # bytes of rows read or being read, not yet handed out
         self._error: BaseException | None = None
@@ -479,7 +480,7 @@ class _Prefetcher:
                     if self._closed:
                         return
                     self._held += size
-                pending = shard.fetch(planned.position, self._pool)
+                pending = shard.fetch(planned.position, self._pool, self._buffers)
                 shard.will_need(planned.position)
                 with self._cond:
                     self._ready.append((planned, shard, pending, size))

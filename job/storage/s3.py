@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import io
 import os
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import boto3
+import botocore.loaders
 import urllib3.exceptions
 from botocore.client import BaseClient
 from botocore.config import Config
@@ -119,6 +121,14 @@ class _RetryCounter:
                 self.retries += n
 
 
+@functools.cache
+def _model_loader() -> Any:
+    """One botocore data loader per process: a new session parses botocore's S3 model again (0.7 s
+    a transport here, paid by every reader and every DataLoader worker), the loader keeps it.
+    Sessions stay per client, so each resolves credentials and endpoint as it is created."""
+    return botocore.loaders.create_loader()
+
+
 def _make_client(counter: _RetryCounter, max_connections: int, sign_payload: bool = True) -> BaseClient:
     retries: dict[str, Any] = {}
     if not os.environ.get("AWS_RETRY_MODE"):
@@ -129,7 +139,9 @@ def _make_client(counter: _RetryCounter, max_connections: int, sign_payload: boo
     # there by default); what botocore sends over https is the same either way.
     s3 = None if sign_payload else {"payload_signing_enabled": False}
     config = Config(retries=retries, max_pool_connections=max_connections, s3=s3)  # type: ignore[arg-type]
-    client = boto3.session.Session().client("s3", config=config)
+    session = boto3.session.Session()
+    session._session.register_component("data_loader", _model_loader())
+    client = session.client("s3", config=config)
     client.meta.events.register("after-call.s3", counter.after_call)
     client.meta.events.register("after-call-error.s3", counter.after_call_error)
     return client
@@ -389,12 +401,16 @@ class S3Transport(ObjectTransport):
                     Range=f"bytes={start + done}-{start + len(into) - 1}",
                     IfMatch=info.version,
                 )["Body"]
-                with contextlib.closing(body):
+                try:
                     while done < len(into):
                         n = body.readinto(into[done:])
                         if n == 0:
                             raise StorageError(f"{where} ended at byte {start + done} of {info.size}")
                         done += n
+                except BaseException:
+                    body.close()  # a broken body's connection is not reused
+                    raise
+                # A body read to its end returns its connection to the pool (closing it would not)
                 return
             except ClientError as exc:
                 if _is_status(exc, 412, 404):
