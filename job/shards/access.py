@@ -383,20 +383,28 @@ class OutputReader:
         if uri_scheme(self.uri) is None:
             self.root = Path(self.uri.removeprefix("file://")).expanduser()
             self.location = str(self.root)
-            if not self.root.is_dir() and not (future and not self.root.exists()):
+            if not self.root.exists() and not future:
+                raise ConfigError(f"{setting} {self.root}: does not exist")
+            if self.root.exists() and not self.root.is_dir():
                 raise ConfigError(
-                    f"{setting} {self.root}: no such directory (give an output directory or one index-*)"
+                    f"{setting} {self.root}: not a directory (give an output directory or one index-*)"
                 )
             self.single_index = (self.root / MANIFEST).is_file() and not any(self.root.glob("index-*"))
             self._prefix = ""
+            found = self.single_index or any(d.is_dir() for d in self.root.glob("index-*"))
         else:
             self._transport, prefix = connect_transport(self.uri, setting, read_threads=read_threads)
             self._prefix = f"{prefix}/" if prefix else ""
             self.location = self._transport.url(prefix).rstrip("/")
-            self.single_index = self._transport.head(
-                self._prefix + MANIFEST
-            ) is not None and not self._transport.list(self._prefix + "index-")
+            indexes = self._transport.list(self._prefix + "index-")
+            self.single_index = not indexes and self._transport.head(self._prefix + MANIFEST) is not None
             self.root = Path()
+            found = self.single_index or bool(indexes)
+        if not found and not future:  # a follower may start before the job has written anything
+            raise ConfigError(
+                f"{setting} {self.location}: holds no index-* and no {MANIFEST} "
+                "(give an output or one index-*)"
+            )
         self.single_name = self.location.rstrip("/").rsplit("/", 1)[-1]
 
     # -- what the output holds ---------------------------------------------------------------------
