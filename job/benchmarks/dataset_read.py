@@ -1,4 +1,4 @@
-"""``python -m job.bench_read``: reading an output back with ``OutputDataset``, against the
+"""``python -m job.benchmarks.dataset_read``: reading an output back with ``OutputDataset``, against the
 ceilings under it, on this machine.
 
 * local: ``OutputDataset`` (one process, checksums on) reading every sample of an output with
@@ -14,9 +14,9 @@ ceilings under it, on this machine.
   output as the job does (the shard file first, then the manifest that lists it, replaced
   atomically locally, a PUT on S3): seconds from each manifest write to the shard's first sample.
 
-The output is written by the job itself (``python -m job run``'s pipeline, ``job.bench``'s rows
-from memory: no model runs; Llama-3.1-8B's shape, 4 layers, bfloat16, 32 KiB a token). Rows are
-printed as JSON lines and a markdown report is written to ``--report``.
+The output is written by the job itself (``python -m job run``'s pipeline,
+``job.benchmarks.throughput``'s rows from memory: no model runs; Llama-3.1-8B's shape, 4 layers,
+bfloat16, 32 KiB a token). Rows are printed as JSON lines and a markdown report is written to ``--report``.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ def make_output(work: Path, size: int) -> Path:
     manifest = out / "index-00000" / "manifest.json"
     if manifest.is_file() and json.loads(manifest.read_text()).get("complete"):
         return out
-    from job.bench import LLAMA_3_1_8B, _RowsFromMemory
+    from job.benchmarks.throughput import _RowsFromMemory
     from job.logs import configure_logging
     from job.pipeline.runner import run_job
+    from job.plan import LLAMA_3_1_8B
     from job.settings import load_settings
 
     shutil.rmtree(out, ignore_errors=True)
@@ -142,7 +143,7 @@ def upload(out: Path, uri: str) -> dict[str, int]:
     """The output under ``uri`` (uploaded unless there); shard keys and sizes."""
     import boto3
 
-    from job.bench_s3 import ensure_bucket
+    from job.benchmarks.s3_ceiling import ensure_bucket
 
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")
     client = boto3.client("s3")
@@ -202,8 +203,8 @@ def child_memory(uri: str, threads: int, prefetch: int) -> dict[str, Any]:
 
 def memory(uri: str, threads: int, prefetch: int) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-m", "job.bench_read", "--child-memory", uri, "--threads", str(threads),
-         "--prefetch", str(prefetch)],
+        [sys.executable, "-m", "job.benchmarks.dataset_read", "--child-memory", uri,
+         "--threads", str(threads), "--prefetch", str(prefetch)],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return json.loads(proc.stdout.splitlines()[-1])
@@ -285,7 +286,9 @@ def follow_latency(out: Path, target: str, shards: int, pause: float) -> list[fl
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m job.bench_read", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m job.benchmarks.dataset_read", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--work-dir", default="/tmp/eagle3-bench-read")
     ap.add_argument("--size", default="2GiB", help="bytes of shards in the output")
     ap.add_argument("--s3-uri", default="", help="s3://bucket/prefix for the S3 rows (skipped without)")
@@ -342,10 +345,11 @@ def main(argv: list[str]) -> int:
 
 def write_report(path: Path, rows: list[dict[str, Any]], total: int, argv: list[str]) -> None:
     lines = [
-        "# Reading an output back: OutputDataset (figures from `python -m job.bench_read`)",
+        "# Reading an output back: OutputDataset (figures from `python -m job.benchmarks.dataset_read`)",
         "",
-        f"Command: `python -m job.bench_read {' '.join(argv)}`; output: {total / 2**30:.2f} GiB of shards "
-        "written by the job's pipeline (rows from memory, Llama-3.1-8B shape, 4 layers, bfloat16).",
+        f"Command: `python -m job.benchmarks.dataset_read {' '.join(argv)}`; output: "
+        f"{total / 2**30:.2f} GiB of shards written by the job's pipeline (rows from memory, "
+        "Llama-3.1-8B shape, 4 layers, bfloat16).",
         "",
         "| group | what | round | figures |",
         "| --- | --- | --- | --- |",
