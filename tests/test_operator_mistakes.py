@@ -21,7 +21,7 @@ Cases (``python -m job`` in a subprocess unless said otherwise):
 * reading damaged output: iter_output raises DamagedShard (verify=False reads it), compare and
   export --verify end with an error line and exit 1;
 * the command line: --version, a --help per command, a reader of stdout that went away (exit 141);
-* an unexpected exception (damaged model weights) with --log.format=console: the traceback is
+* an unexpected exception (an activation transformers lacks) with --log.format=console: the traceback is
   rendered in the log, stderr has one line;
 * progress events (tokens, an estimated then exact total, ETA, committed samples) and the final
   ``done:`` line of a run, and of a rerun of a complete index.
@@ -790,27 +790,25 @@ def test_a_reader_that_went_away_ends_inspect_quietly(
 def test_an_unexpected_failure_with_console_logs(
     run_job: Callable[..., Any], hf_args: tuple[str, ...], tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    """Damaged model weights fail inside transformers: an exception the job has no name for. The
-    console renderer must render its traceback (it raised TypeError on the dict form), and stderr
-    must hold one line."""
+    """A config.json naming an activation transformers does not have fails inside transformers'
+    model construction: an exception the job has no name for. The console renderer must render its
+    traceback (it raised TypeError on the dict form), and stderr must hold one line."""
     model = tmp_path / "model"
     shutil.copytree(tiny_llama_dir, model)
-    weights = model / "model.safetensors"
-    raw = bytearray(weights.read_bytes())
-    raw[8:40] = b"x" * 32  # the start of the safetensors JSON header
-    weights.write_bytes(bytes(raw))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "hidden_act": "no_such_activation"}))
     result = run_job(
         "run", *hf_args, f"--output.uri={tmp_path / 'out'}", f"--model.path={model}", "--log.format=console"
     )
     error_line(
         result,
         1,
-        "unexpected failure (SafetensorError: Error while deserializing header",
+        "unexpected failure (KeyError: 'no_such_activation')",
         "the traceback is in the job_crashed log event",
     )
     crashed = result.stdout[result.stdout.index("job_crashed") :]
     assert 'File "' in crashed and "job/backends/hf.py" in crashed and "in from_pretrained" in crashed
-    assert crashed.rstrip().splitlines()[-1].startswith("SafetensorError: Error while deserializing header")
+    assert crashed.rstrip().splitlines()[-1] == "KeyError: 'no_such_activation'"
     assert "TypeError" not in result.stdout and "Traceback" not in result.stderr
 
 
