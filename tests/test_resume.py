@@ -342,6 +342,44 @@ def test_resume_with_other_weights_is_refused(
     assert_exactly_once(out, read_jsonl)
 
 
+@pytest.mark.parametrize("mistake", ["data without records", "a tokenizer without a chat template"])
+def test_a_first_run_that_commits_nothing_pins_nothing(
+    mistake: str,
+    base: dict[str, Any],
+    tmp_path: Path,
+    run_job: Callable[..., Any],
+    read_jsonl: Callable,
+    tiny_llama_dir: Path,
+) -> None:
+    """A first run that fails (exit 2) before committing a shard leaves neither extraction.json nor a
+    manifest that pins the index: the corrected run on the same output.uri goes ahead."""
+    out = tmp_path / "out"
+    if mistake == "data without records":
+        empty = tmp_path / "empty.jsonl"
+        empty.write_bytes(b"")
+        args = [f"--data.path={empty}" if a.startswith("--data.path=") else a for a in base["args"]]
+        expected = "the input holds no records at all"
+    else:
+        model = tmp_path / "no-template"
+        shutil.copytree(tiny_llama_dir, model)
+        (model / "chat_template.jinja").unlink()
+        config = json.loads((model / "tokenizer_config.json").read_text())
+        config.pop("chat_template", None)
+        (model / "tokenizer_config.json").write_text(json.dumps(config))
+        args = [*base["args"], f"--model.path={model}"]
+        expected = "has no chat template"
+    result = run_job("run", f"--output.uri={out}", *args)
+    assert result.rc == 2 and expected in result.stderr, result.describe()
+    assert not (out / "extraction.json").exists()
+
+    result = run_job("run", f"--output.uri={out}", *base["args"])
+    assert result.rc == 0, result.describe()
+    assert_exactly_once(out, read_jsonl)
+    assert json.loads((out / "extraction.json").read_text()) == json.loads(
+        (base["out"] / "extraction.json").read_text()
+    )
+
+
 def test_an_index_with_another_work_count_than_the_outputs_others_is_refused(
     base: dict[str, Any], tmp_path: Path, run_job: Callable[..., Any]
 ) -> None:

@@ -26,7 +26,7 @@ from job.pipeline.cleanup import Cleanup
 from job.pipeline.commit import Committer
 from job.pipeline.feed import BackendFeed, ShardPlanner
 from job.pipeline.rejections import Rejections, SampleWarnings
-from job.pipeline.resume import Resumed, resume
+from job.pipeline.resume import Resumed, pin_output, resume
 from job.pipeline.setup import RunSetup, new_run_id, prepare_run
 from job.pipeline.stop import StopFlag, exit_on_stop_signal
 from job.progress import Progress, Snapshot
@@ -186,6 +186,7 @@ class IndexRun:
             self.log,
             workers=uploads,
             regenerated=None if regenerator is None else regenerator.take_records,
+            pin=lambda: pin_output(setup.identity, self.store),
         )
         cleanup.callback(self._close_committer_if_failed, committer)
         committer.write_manifest()
