@@ -158,6 +158,21 @@ def test_a_first_run_that_commits_nothing_pins_nothing(
     )
 
 
+def test_a_probe_upload_left_by_a_kill_is_aborted_on_a_complete_index(
+    reference: Reference, s3_endpoint: str, s3: Any, bucket: str, job_cache: str
+) -> None:
+    """The start-up write check's multipart upload, left unfinished by a kill in its window, is
+    aborted by the next run although the index is complete (no manifest write follows there)."""
+    s3.create_multipart_upload(Bucket=bucket, Key="reference/index-00000/.write-probe-0badc0de")
+    assert [u["Key"] for u in multipart_uploads(s3, bucket, "reference")] == [
+        "reference/index-00000/.write-probe-0badc0de"
+    ]
+    job = run_job(job_args(**s3_uris(bucket, "reference")), job_env(s3_endpoint, job_cache))
+    assert job.proc.returncode == 0, job.tail()
+    assert [e["event"] for e in job.events if e.get("event") == "index_already_complete"]
+    assert multipart_uploads(s3, bucket, "reference") == []
+
+
 def _uploaded(requests: list[Any]) -> set[str]:
     return {r.path for r in requests if r.operation in ("PutObject", "CompleteMultipartUpload")}
 
