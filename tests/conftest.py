@@ -17,7 +17,7 @@ Which tests cover which module (a change to the module runs these first):
 module                             tests
 =================================  ===================================================================
 job/settings.py                    test_settings, test_container (manifests against the model)
-job/data/source.py                 test_data_formats, test_s3_store (object-store input)
+job/data/source.py                 test_data_formats, test_s3_store (object-store input), test_input_changes
 job/data/stream.py                 test_stream, test_work_split
 job/data/encode.py, formats.py     test_loss_masks, test_data_formats, test_rejections_and_logs
 job/pipeline/setup.py              test_fp8 (bytes per token), test_local_model (fingerprints)

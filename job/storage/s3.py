@@ -45,7 +45,7 @@ from s3transfer.manager import TransferConfig, TransferManager
 
 from job.errors import ConfigError, JobError, StorageError
 from job.manifest import Checksum
-from job.storage.transport import ObjectExists, ObjectInfo, ObjectTransport, PreconditionFailed
+from job.storage.transport import ObjectChanged, ObjectExists, ObjectInfo, ObjectTransport, PreconditionFailed
 
 # Defaults for botocore's retry policy, used unless AWS_RETRY_MODE / AWS_MAX_ATTEMPTS (or the
 # shared config file) say otherwise. "standard" retries 5xx, SlowDown/throttling and connection
@@ -508,7 +508,7 @@ class _ObjectReader(io.RawIOBase):
                 return n
             except ClientError as exc:
                 if _is_status(exc, 412):
-                    raise StorageError(f"{setting}: {where} changed while the job was reading it") from None
+                    raise ObjectChanged(f"{setting}: {where} changed while the job was reading it") from None
                 raise _translate(exc, setting, transport.bucket, f"reading {where}") from None
             except (*_BROKEN_RESPONSE, BotoCoreError, StorageError) as exc:
                 self._drop_body()
