@@ -64,10 +64,18 @@ class Committer:
         self._fallback_reported = False
         self._pin = pin
         self._pinned = False
+        self._pending: set[str] = set()  # shards submitted and not yet committed (or dropped)
 
     def submit(self, finished: FinishedShard) -> None:
         """Commit a finished shard in the background (any thread)."""
+        with self._lock:
+            self._pending.add(finished.plan.name)
         self._pool.submit(self._run, finished)
+
+    def pending(self) -> set[str]:
+        """The shards submitted and not yet committed (any thread)."""
+        with self._lock:
+            return set(self._pending)
 
     def close(self) -> None:
         """Finish every submitted shard, then stop; raises the first commit error."""
@@ -93,6 +101,9 @@ class Committer:
                 return
         except BaseException as exc:
             self.error = self.error or exc
+        finally:
+            with self._lock:
+                self._pending.discard(finished.plan.name)
         # The run is failing: drop the shard and free its staging space, so that extraction
         # waiting for that space wakes up and sees the error.
         finished.staged.discard()

@@ -103,12 +103,14 @@ class IndexRun:
         self.sample_limit = sample_limit
         self.status = "failed"
         self.started = time.monotonic()
+        self._wiring: _Wiring | None = None
+        stop.on_request = self._report_stop
 
     def run(self) -> dict[str, Any]:
         with Cleanup(self.log) as cleanup:
             self._open_log(cleanup)
             try:
-                wiring = self._wire(cleanup)
+                wiring = self._wiring = self._wire(cleanup)
                 clock = _Clock(extract_started=time.monotonic())
                 clock.backend_done = self._extract(wiring)
                 clock.rows_written, clock.committed = self._commit(wiring)
@@ -244,6 +246,35 @@ class IndexRun:
                 "generation_configured", mode=regenerator.mode, sources=sampling.sources, **sampling.record()
             )
         return regenerator
+
+    def _report_stop(self, reason: str) -> None:
+        """``stop_requested``, at once (on its own thread): what the run still finishes before it
+        stops, as the stop itself may take minutes (a large shard on a CPU)."""
+        w = self._wiring
+        if w is None:
+            self.log.warning(
+                "stop_requested", signal=reason, shards_being_filled=[], shards_being_committed=[]
+            )
+            return
+        committing = w.committer.pending()
+        left = w.writer.samples_left()
+        filling = [
+            {
+                "shard": plan.name,
+                "samples": len(plan.samples),
+                "samples_left": left.get(plan.number, len(plan.samples)),
+            }
+            for plan in w.inputs.under_way()
+            if plan.name not in committing
+        ]
+        self.log.warning(
+            "stop_requested",
+            signal=reason,
+            shards_being_filled=filling,
+            shards_being_committed=sorted(committing),
+            next="the backend finishes the samples it has under way and the shards they complete are "
+            "committed; what is left is abandoned and redone by the next run; then run_stopped, exit 143",
+        )
 
     def _check_rejections(self, w: _Wiring, records: int, owned: int) -> None:
         """A run that wrote nothing, or rejected more than data.max_rejected_fraction, stops with exit
