@@ -342,6 +342,29 @@ def test_resume_with_other_weights_is_refused(
     assert_exactly_once(out, read_jsonl)
 
 
+def test_an_index_written_before_the_weights_fingerprint_resumes(
+    base: dict[str, Any], tmp_path: Path, run_job: Callable[..., Any], read_jsonl: Callable
+) -> None:
+    """Manifests and extraction.json written before the identity held weights_fingerprint: the
+    resume has no weights to compare and goes ahead, the manifest keeping what it recorded."""
+    out = copy_output(base, tmp_path)
+    simulate_crash_before_manifest(out / "index-00000")
+    for path, identity in (
+        (out / "index-00000" / "manifest.json", "identity"),
+        (out / "extraction.json", None),
+    ):
+        recorded = json.loads(path.read_text())
+        (recorded[identity] if identity else recorded).pop("weights_fingerprint")
+        path.write_text(json.dumps(recorded))
+    result = run_job("run", f"--output.uri={out}", *base["args"])
+    assert result.rc == 0, result.describe()
+    assert_exactly_once(out, read_jsonl)
+    assert (
+        json.loads((out / "index-00000" / "manifest.json").read_text())["identity"]["weights_fingerprint"]
+        is None
+    )
+
+
 @pytest.mark.parametrize("mistake", ["data without records", "a tokenizer without a chat template"])
 def test_a_first_run_that_commits_nothing_pins_nothing(
     mistake: str,
