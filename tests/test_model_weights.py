@@ -23,6 +23,9 @@ from conftest import VLLM_CPU_ENV, needs_vllm
 from safetensors.torch import load_file, save_file
 
 from job.errors import ConfigError
+from job.model import resolve_model
+from job.pipeline.setup import model_weights_fingerprint
+from job.settings import load_settings
 from job.weights import check_weights, weights_fingerprint
 
 WEIGHTS = "model.safetensors"
@@ -150,6 +153,25 @@ def test_unloadable_weights_are_named(tiny_llama_dir: Path, tmp_path: Path) -> N
     refused(
         damaged, "model.safetensors: its safetensors header is damaged", "download the model's weights again"
     )
+
+
+def test_vllm_dummy_weights_need_no_weight_files(
+    tiny_llama_dir: Path, tmp_path: Path, inprocess_env: None
+) -> None:
+    """vLLM's load_format dummy (the benchmarks' real architectures without their weights) reads no
+    weight file: a directory with config.json alone is not refused, and the identity says dummy."""
+    model = tmp_path / "config-only"
+    model.mkdir()
+    shutil.copy(tiny_llama_dir / "config.json", model / "config.json")
+    args = [f"--model.path={model}", "--backend.name=vllm"]
+    dummy = load_settings(cli_args=[*args, '--backend.vllm.engine_args={"load_format": "dummy"}'])
+    assert (
+        model_weights_fingerprint(dummy, resolve_model(dummy.model))
+        == "dummy (backend.vllm.engine_args load_format)"
+    )
+    real = load_settings(cli_args=args)
+    with pytest.raises(ConfigError, match="holds no weights"):
+        model_weights_fingerprint(real, resolve_model(real.model))
 
 
 @pytest.fixture(scope="module")
