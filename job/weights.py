@@ -62,7 +62,8 @@ def weight_files(directory: Path) -> list[Path]:
     return sorted(
         p
         for p in directory.iterdir()
-        if p.is_file() and p.name.endswith((SAFETENSORS, *PICKLE_SUFFIXES, INDEX_SUFFIX))
+        # A link to nothing (a hub cache's blob missing) is a weight file that cannot be read.
+        if (p.is_file() or p.is_symlink()) and p.name.endswith((SAFETENSORS, *PICKLE_SUFFIXES, INDEX_SUFFIX))
     )
 
 

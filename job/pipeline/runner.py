@@ -38,14 +38,18 @@ from job.storage.base import IndexStore
 
 
 def run_job(
-    settings: JobSettings, backend: Backend | None = None, sample_limit: int | None = None
+    settings: JobSettings,
+    backend: Backend | None = None,
+    sample_limit: int | None = None,
+    check_weights: bool = True,
 ) -> dict[str, Any]:
     """Run one work index. A caller-provided ``backend`` (benchmarks reuse one engine across
     runs; the preflight brings its reduced one) is used as is and left open. ``sample_limit``:
-    only the index's first so many samples (the preflight's)."""
+    only the index's first so many samples (the preflight's). ``check_weights`` False: the model's
+    weight files are neither checked nor fingerprinted (the preflight's engine loads none)."""
     run_id = new_run_id()
     log = get_logger(run_id=run_id, work_index=settings.work.index)
-    setup = prepare_run(settings)
+    setup = prepare_run(settings, check_weights)
     if backend is None and settings.backend.name == "vllm" and settings.preflight.before_run:
         # Before the output is opened: a failing preflight leaves it untouched.
         from job.preflight import preflight_in_subprocess

@@ -174,7 +174,9 @@ def check_backend(settings: JobSettings, model: ModelInfo) -> None:
         )
 
 
-def prepare_run(settings: JobSettings) -> RunSetup:
+def prepare_run(settings: JobSettings, check_weights: bool = True) -> RunSetup:
+    """``check_weights`` False: the weights are neither checked nor fingerprinted (the preflight,
+    whose engine loads none)."""
     model = resolve_model(settings.model)
     check_backend(settings, model)
     layer_ids = model.resolve_layer_ids(settings.layers.ids)
@@ -198,7 +200,7 @@ def prepare_run(settings: JobSettings) -> RunSetup:
         sampling = resolve_sampling(settings.generate, model.path, eos)
     identity = Identity(
         model_config_hash=model.config_hash,
-        weights_fingerprint=model_weights_fingerprint(settings, model),
+        weights_fingerprint=model_weights_fingerprint(settings, model) if check_weights else "unchecked",
         layer_ids=layer_ids,
         storage=dtype.name,
         data_fingerprint=data_fingerprint(listing.files),
