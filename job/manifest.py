@@ -90,6 +90,7 @@ class Counts(BaseModel):
 # The setting (or input) each identity field comes from, for messages about a change.
 IDENTITY_SETTINGS = {
     "model_config_hash": "model.path (the model's config.json)",
+    "weights_fingerprint": "model.path (the model's weight files)",
     "layer_ids": "layers.ids",
     "storage": "the stored dtype (model.dtype, output.hidden_dtype)",
     "data_fingerprint": "data.path (the input files' names, sizes or contents)",
@@ -110,6 +111,9 @@ class Identity(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_config_hash: str
+    # job.weights: names, sizes and headers of the weight files. None in manifests written before
+    # it existed: those resume without a weights check.
+    weights_fingerprint: str | None = None
     layer_ids: list[int]
     storage: str  # the stored hidden dtype's name (format_version 1 calls it storage)
     data_fingerprint: str
@@ -125,6 +129,8 @@ class Identity(BaseModel):
     def changes(self, new: Identity) -> list[str]:
         """What differs from ``new``, each named by the setting behind it."""
         old_values, new_values = self.model_dump(), new.model_dump()
+        if old_values["weights_fingerprint"] is None:  # recorded before weights were fingerprinted
+            old_values["weights_fingerprint"] = new_values["weights_fingerprint"]
         return [
             f"{IDENTITY_SETTINGS[key]} ({key}: {old_values[key]!r} -> {value!r})"
             for key, value in new_values.items()
@@ -190,9 +196,9 @@ class Manifest(BaseModel):
             ) from None
 
     def check_resumable(self, identity: Identity, where: str) -> None:
-        if self.identity == identity:
-            return
         changed = "; ".join(self.identity.changes(identity))
+        if not changed:
+            return
         raise ConfigError(
             f"{where} was written with different settings or data: {changed}. "
             "Resume needs the same ones, or use a new output.uri"

@@ -144,7 +144,7 @@ def preflight(settings: JobSettings) -> PreflightReport:
     started = time.monotonic()
     log.info("preflight_started", samples=settings.preflight.samples, backend=settings.backend.name)
     with _stage(report, DATA):
-        setup = prepare_run(settings)
+        setup = prepare_run(settings, check_weights=False)  # it loads none; run checks them first
         owned = _check_data(setup, report)
     with _stage(report, OUTPUT):
         from job.storage.probe import probe_output
@@ -273,7 +273,12 @@ def _check_engine(setup: RunSetup, report: PreflightReport, log: Any) -> None:
             spec, replace(model, num_layers=reduction.depth), reduction.layer_ids, setup.dtype
         )
         try:
-            totals = run_job(scratch_settings, backend=backend, sample_limit=settings.preflight.samples)
+            totals = run_job(
+                scratch_settings,
+                backend=backend,
+                sample_limit=settings.preflight.samples,
+                check_weights=False,
+            )
             info = backend.info
         finally:
             backend.close()

@@ -17,10 +17,11 @@ Which tests cover which module (a change to the module runs these first):
 module                             tests
 =================================  ===================================================================
 job/settings.py                    test_settings, test_container (manifests against the model)
-job/data/source.py                 test_data_formats, test_s3_store (object-store input)
+job/data/source.py                 test_data_formats, test_s3_store (object-store input), test_input_changes
 job/data/stream.py                 test_stream, test_work_split
 job/data/encode.py, formats.py     test_loss_masks, test_data_formats, test_rejections_and_logs
 job/pipeline/setup.py              test_fp8 (bytes per token), test_local_model (fingerprints)
+job/weights.py                     test_model_weights, test_resume (other weights)
 job/pipeline/runner.py, resume.py  test_resume, test_output_stability, test_sigterm, test_s3_job
 job/pipeline/feed.py               test_shard_planner
 job/pipeline/commit.py             test_committer, test_local_model (repack after NaN)

@@ -16,12 +16,13 @@ Cases (``python -m job`` in a subprocess unless said otherwise):
 * every sample rejected (a chat template that does not parse, data.format=sharegpt on OpenAI
   data; also with data.max_rejected_fraction=1), or more than data.max_rejected_fraction: exit 2
   with the most common reason, index incomplete, rejected.jsonl published;
-* a committed shard damaged, truncated or missing on resume: exit 2 naming it and
-  output.on_damaged_shard=reextract; with reextract, its samples are extracted again;
+* a committed shard damaged, truncated or missing on resume, of an interrupted or a complete
+  index: exit 2 naming it and output.on_damaged_shard=reextract; with reextract, its samples are
+  extracted again;
 * reading damaged output: iter_output raises DamagedShard (verify=False reads it), compare and
   export --verify end with an error line and exit 1;
 * the command line: --version, a --help per command, a reader of stdout that went away (exit 141);
-* an unexpected exception (damaged model weights) with --log.format=console: the traceback is
+* an unexpected exception (an activation transformers lacks) with --log.format=console: the traceback is
   rendered in the log, stderr has one line;
 * progress events (tokens, an estimated then exact total, ETA, committed samples) and the final
   ``done:`` line of a run, and of a rerun of a complete index.
@@ -554,8 +555,7 @@ def complete_run(
 
 
 def interrupted_copy(complete_run: tuple[Path, Any], tmp_path: Path) -> tuple[Path, Manifest]:
-    """A copy whose manifest says "incomplete", as an interrupted run leaves it (a resume then
-    checks the committed shards: a complete index is not touched again)."""
+    """A copy whose manifest says "incomplete", as an interrupted run leaves it."""
     out = tmp_path / "out"
     shutil.copytree(complete_run[0], out)
     path = out / "index-00000" / "manifest.json"
@@ -609,6 +609,35 @@ def test_a_damaged_shard_stops_the_resume_and_reextract_replaces_it(
     after = assert_each_sample_once(out)
     assert victim.name not in {e.name for e in after.shards}
     assert not (out / "index-00000" / victim.name).exists()
+
+
+def test_a_damaged_shard_of_a_complete_index_is_found_and_reextract_replaces_it(
+    complete_run: tuple[Path, Any], run_job: Callable[..., Any], hf_args: tuple[str, ...], tmp_path: Path
+) -> None:
+    """A complete index is checked as an interrupted one is: "already complete" would hand the
+    damaged shard to the trainer. reextract reopens the index and completes it again."""
+    out = tmp_path / "out"
+    shutil.copytree(complete_run[0], out)
+    manifest = read_manifest(out / "index-00000")
+    assert manifest is not None and manifest.complete
+    victim = manifest.shards[3]
+    flip_byte(out / "index-00000" / victim.name)
+    before = (out / "index-00000" / "manifest.json").read_bytes()
+
+    result = run_job("run", *hf_args, f"--output.uri={out}")
+    error_line(result, 2, f"{victim.name}: checksum", "set output.on_damaged_shard=reextract")
+    assert (out / "index-00000" / "manifest.json").read_bytes() == before
+
+    result = run_job("run", *hf_args, f"--output.uri={out}", "--output.on_damaged_shard=reextract")
+    assert result.rc == 0, result.describe()
+    assert result.event("damaged_shard_dropped")["shard"] == victim.name
+    assert result.event("complete_index_reopened")["shards"] == 5
+    assert "1 this run" in last_line(result)
+    after = assert_each_sample_once(out)
+    assert victim.name not in {e.name for e in after.shards}
+
+    result = run_job("run", *hf_args, f"--output.uri={out}")  # intact again: nothing to do
+    assert result.rc == 0 and "was already complete" in last_line(result), result.describe()
 
 
 def test_a_truncated_shard_fails_the_size_check(
@@ -790,27 +819,25 @@ def test_a_reader_that_went_away_ends_inspect_quietly(
 def test_an_unexpected_failure_with_console_logs(
     run_job: Callable[..., Any], hf_args: tuple[str, ...], tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    """Damaged model weights fail inside transformers: an exception the job has no name for. The
-    console renderer must render its traceback (it raised TypeError on the dict form), and stderr
-    must hold one line."""
+    """A config.json naming an activation transformers does not have fails inside transformers'
+    model construction: an exception the job has no name for. The console renderer must render its
+    traceback (it raised TypeError on the dict form), and stderr must hold one line."""
     model = tmp_path / "model"
     shutil.copytree(tiny_llama_dir, model)
-    weights = model / "model.safetensors"
-    raw = bytearray(weights.read_bytes())
-    raw[8:40] = b"x" * 32  # the start of the safetensors JSON header
-    weights.write_bytes(bytes(raw))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "hidden_act": "no_such_activation"}))
     result = run_job(
         "run", *hf_args, f"--output.uri={tmp_path / 'out'}", f"--model.path={model}", "--log.format=console"
     )
     error_line(
         result,
         1,
-        "unexpected failure (SafetensorError: Error while deserializing header",
+        "unexpected failure (KeyError: 'no_such_activation')",
         "the traceback is in the job_crashed log event",
     )
     crashed = result.stdout[result.stdout.index("job_crashed") :]
     assert 'File "' in crashed and "job/backends/hf.py" in crashed and "in from_pretrained" in crashed
-    assert crashed.rstrip().splitlines()[-1].startswith("SafetensorError: Error while deserializing header")
+    assert crashed.rstrip().splitlines()[-1] == "KeyError: 'no_such_activation'"
     assert "TypeError" not in result.stdout and "Traceback" not in result.stderr
 
 

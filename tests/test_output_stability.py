@@ -15,6 +15,9 @@ all null for a run that keeps the data's turns (shard bytes unchanged; the manif
 the recorded one with those three keys removed). Updated again for per-range checksums: each shard
 entry gained `ranges` (shard bytes unchanged; the manifest equal to the recorded one without it;
 its `layout` checksum covers the header's run id, so it is checked against the file and set aside).
+Updated for the weights fingerprint: the identity gained `weights_fingerprint` (the model directory
+now holds one fixed tensor; shard bytes unchanged; the manifest equal to the recorded one with that
+key removed).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from job.backends import Backend, BackendInput, HiddenChunk
 from job.checksum import crc64nvme_bytes, crc64nvme_file
@@ -46,7 +50,7 @@ RUN_SPECIFIC = {"run_id", "model_path", "model_name", "run_ids", "updated_at"}
 EXPECTED = {
     "model": {
         "files": {
-            "manifest.json": "5ff82a1350e97d26",
+            "manifest.json": "273b2ac59a0804b4",
             "rejected.jsonl": "f177ff369ede098e",
             "shard-00000.safetensors": {"header": "63edcdd142020a68", "data": "4f95e9afa0e82ff4"},
             "shard-00001.safetensors": {"header": "c2a443bfa5ca4d68", "data": "2c88e998bf422fb1"},
@@ -56,7 +60,7 @@ EXPECTED = {
     },
     "fp8_e4m3": {
         "files": {
-            "manifest.json": "cdccf19d527a597c",
+            "manifest.json": "9a02efbff87d0fbe",
             "rejected.jsonl": "f177ff369ede098e",
             "shard-00000.safetensors": {"header": "7692a78568c8858c", "data": "542adbf290ccc89c"},
             "shard-00001.safetensors": {"header": "b2797e280c33f0b6", "data": "54aa97a23462070e"},
@@ -139,6 +143,8 @@ def _model_dir(root: Path) -> Path:
         "max_position_embeddings": 1024,
     }
     (model / "config.json").write_text(json.dumps(config, indent=1))
+    # The backend needs no weights, the run's identity their fingerprint: one fixed tensor.
+    save_file({"weight": torch.arange(16, dtype=torch.float32).reshape(4, 4)}, model / "model.safetensors")
     return model
 
 

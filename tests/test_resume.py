@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from job.checksum import crc64nvme_file
 from job.shards import open_shard, read_manifest
@@ -299,6 +301,106 @@ def test_resume_with_other_data_is_refused(
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "different settings or data" in lines[0] and "data_fingerprint" in lines[0]
     assert file_digests(out) == before
+
+
+def test_resume_with_other_weights_is_refused(
+    base: dict[str, Any],
+    tmp_path: Path,
+    run_job: Callable[..., Any],
+    read_jsonl: Callable,
+    tiny_llama_dir: Path,
+) -> None:
+    """model.path at a copy with the same config and tokenizer but other weights (every tensor
+    shifted, as another fine-tune of the model): refused, naming model.path, before anything is
+    touched. A copy with the same weights resumes: the identity holds the weights, not the path."""
+    out = copy_output(base, tmp_path)
+    simulate_crash_before_manifest(out / "index-00000")
+    before = file_digests(out)
+    extraction = json.loads((out / "extraction.json").read_text())
+    assert extraction["weights_fingerprint"].startswith("sha256:")
+
+    other = tmp_path / "other-weights"
+    shutil.copytree(tiny_llama_dir, other)
+    generator = torch.Generator().manual_seed(1)
+    tensors = load_file(other / "model.safetensors")
+    for name, tensor in tensors.items():
+        tensors[name] = (tensor.float() + 0.05 * torch.randn(tensor.shape, generator=generator)).to(
+            tensor.dtype
+        )
+    save_file(tensors, other / "model.safetensors", metadata={"format": "pt"})
+    result = run_job("run", f"--output.uri={out}", *base["args"], f"--model.path={other}")
+    assert result.rc == 2, result.describe()
+    (line,) = result.stderr.strip().splitlines()
+    assert "different settings or data: model.path (the model's weight files) (weights_fingerprint: " in line
+    assert f"'{extraction['weights_fingerprint']}' -> 'sha256:" in line and "use a new output.uri" in line
+    assert file_digests(out) == before
+
+    same = tmp_path / "same-weights"
+    shutil.copytree(tiny_llama_dir, same)
+    result = run_job("run", f"--output.uri={out}", *base["args"], f"--model.path={same}")
+    assert result.rc == 0, result.describe()
+    assert_exactly_once(out, read_jsonl)
+
+
+def test_an_index_written_before_the_weights_fingerprint_resumes(
+    base: dict[str, Any], tmp_path: Path, run_job: Callable[..., Any], read_jsonl: Callable
+) -> None:
+    """Manifests and extraction.json written before the identity held weights_fingerprint: the
+    resume has no weights to compare and goes ahead, the manifest keeping what it recorded."""
+    out = copy_output(base, tmp_path)
+    simulate_crash_before_manifest(out / "index-00000")
+    for path, identity in (
+        (out / "index-00000" / "manifest.json", "identity"),
+        (out / "extraction.json", None),
+    ):
+        recorded = json.loads(path.read_text())
+        (recorded[identity] if identity else recorded).pop("weights_fingerprint")
+        path.write_text(json.dumps(recorded))
+    result = run_job("run", f"--output.uri={out}", *base["args"])
+    assert result.rc == 0, result.describe()
+    assert_exactly_once(out, read_jsonl)
+    assert (
+        json.loads((out / "index-00000" / "manifest.json").read_text())["identity"]["weights_fingerprint"]
+        is None
+    )
+
+
+@pytest.mark.parametrize("mistake", ["data without records", "a tokenizer without a chat template"])
+def test_a_first_run_that_commits_nothing_pins_nothing(
+    mistake: str,
+    base: dict[str, Any],
+    tmp_path: Path,
+    run_job: Callable[..., Any],
+    read_jsonl: Callable,
+    tiny_llama_dir: Path,
+) -> None:
+    """A first run that fails (exit 2) before committing a shard leaves neither extraction.json nor a
+    manifest that pins the index: the corrected run on the same output.uri goes ahead."""
+    out = tmp_path / "out"
+    if mistake == "data without records":
+        empty = tmp_path / "empty.jsonl"
+        empty.write_bytes(b"")
+        args = [f"--data.path={empty}" if a.startswith("--data.path=") else a for a in base["args"]]
+        expected = "the input holds no records at all"
+    else:
+        model = tmp_path / "no-template"
+        shutil.copytree(tiny_llama_dir, model)
+        (model / "chat_template.jinja").unlink()
+        config = json.loads((model / "tokenizer_config.json").read_text())
+        config.pop("chat_template", None)
+        (model / "tokenizer_config.json").write_text(json.dumps(config))
+        args = [*base["args"], f"--model.path={model}"]
+        expected = "has no chat template"
+    result = run_job("run", f"--output.uri={out}", *args)
+    assert result.rc == 2 and expected in result.stderr, result.describe()
+    assert not (out / "extraction.json").exists()
+
+    result = run_job("run", f"--output.uri={out}", *base["args"])
+    assert result.rc == 0, result.describe()
+    assert_exactly_once(out, read_jsonl)
+    assert json.loads((out / "extraction.json").read_text()) == json.loads(
+        (base["out"] / "extraction.json").read_text()
+    )
 
 
 def test_an_index_with_another_work_count_than_the_outputs_others_is_refused(

@@ -133,6 +133,46 @@ def test_an_index_with_another_work_count_is_refused(
     assert listing.get("KeyCount", 0) == 0
 
 
+def test_a_first_run_that_commits_nothing_pins_nothing(
+    reference: Reference, s3_endpoint: str, s3: Any, bucket: str, job_cache: str, tmp_path: Path
+) -> None:
+    """A first run on data without records ends with exit 2 before any shard is listed: it leaves
+    no extraction.json, and its manifest (no shard, incomplete) pins nothing, so the corrected run on
+    the same output.uri completes."""
+    s3.put_object(Bucket=bucket, Key="empty/empty.jsonl", Body=b"")
+    env = job_env(s3_endpoint, job_cache)
+    job = run_job(job_args(output__uri=f"s3://{bucket}/unpinned", data__path=f"s3://{bucket}/empty/"), env)
+    assert job.proc.returncode == EXIT_CONFIG, job.tail()
+    assert any("the input holds no records at all" in line for line in job.stderr), job.tail()
+    assert s3.list_objects_v2(Bucket=bucket, Prefix="unpinned/extraction.json").get("KeyCount", 0) == 0
+
+    job = run_job(job_args(**s3_uris(bucket, "unpinned")), env)
+    assert job.proc.returncode == 0, job.tail()
+    assert [e for e in job.events if e.get("event") == "index_started_over"]
+    contents = read_index(s3, bucket, "unpinned", tmp_path)
+    assert contents.manifest is not None and contents.manifest.complete
+    assert sorted(contents.sample_ids) == sorted(reference.contents.sample_ids)
+    recorded = s3.get_object(Bucket=bucket, Key="unpinned/extraction.json")["Body"].read()
+    assert json.loads(recorded) == json.loads(
+        s3.get_object(Bucket=bucket, Key="reference/extraction.json")["Body"].read()
+    )
+
+
+def test_a_probe_upload_left_by_a_kill_is_aborted_on_a_complete_index(
+    reference: Reference, s3_endpoint: str, s3: Any, bucket: str, job_cache: str
+) -> None:
+    """The start-up write check's multipart upload, left unfinished by a kill in its window, is
+    aborted by the next run although the index is complete (no manifest write follows there)."""
+    s3.create_multipart_upload(Bucket=bucket, Key="reference/index-00000/.write-probe-0badc0de")
+    assert [u["Key"] for u in multipart_uploads(s3, bucket, "reference")] == [
+        "reference/index-00000/.write-probe-0badc0de"
+    ]
+    job = run_job(job_args(**s3_uris(bucket, "reference")), job_env(s3_endpoint, job_cache))
+    assert job.proc.returncode == 0, job.tail()
+    assert [e["event"] for e in job.events if e.get("event") == "index_already_complete"]
+    assert multipart_uploads(s3, bucket, "reference") == []
+
+
 def _uploaded(requests: list[Any]) -> set[str]:
     return {r.path for r in requests if r.operation in ("PutObject", "CompleteMultipartUpload")}
 

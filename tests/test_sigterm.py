@@ -274,6 +274,37 @@ def test_sigterm_mid_run_stops_consistently_and_a_rerun_completes_exactly_once(
     print(f"rerun: {len(manifest.shards) - len(stopped.shards)} more shards, {len(manifest.shards)} in all")
 
 
+def test_a_stop_is_logged_at_once_with_what_is_left_to_finish(
+    start: Callable[[list[str], dict[str, str]], JobProcess],
+    env: dict[str, str],
+    dataset: tuple[Path, set[str], set[str]],
+    tmp_path: Path,
+) -> None:
+    """One shard holds every sample (64 MiB): the run finishes it before it stops, which takes
+    seconds here and minutes with a real model on a CPU. ``stop_requested`` comes at once, before
+    that shard is committed, naming it and the samples it still lacks."""
+    data, good, _ = dataset
+    out = tmp_path / "out"
+    args = [*_run_args(data, out), "--output.shard_bytes=64MiB", "--log.progress_interval_s=0.2"]
+    job = start(args, env)
+    deadline = time.monotonic() + 300
+    # Extraction well under way: the writer's threads, a few samples behind what it took, have
+    # finished some samples of the shard.
+    while not any(e["samples"] >= 50 for e in job.named("progress")):
+        assert job.proc.poll() is None and time.monotonic() < deadline, job.stderr_tail()
+        time.sleep(0.05)
+    job.signal(signal.SIGTERM)
+    assert job.wait(timeout=300) == EXIT_TERMINATED, job.stderr_tail()
+    names = [e.get("event") for e in job.events]
+    (requested,) = job.named("stop_requested")
+    assert requested["signal"] == "SIGTERM" and requested["shards_being_committed"] == []
+    (filling,) = requested["shards_being_filled"]
+    assert filling["shard"] == "shard-00000.safetensors" and filling["samples"] == len(good)
+    assert 0 < filling["samples_left"] < len(good)
+    assert names.index("stop_requested") < names.index("shard_committed") < names.index("run_stopped")
+    assert _check_consistent(out / "index-00000").counts.written == len(good)
+
+
 def test_sigterm_during_startup_exits_at_once_without_touching_the_output(
     start: Callable[[list[str], dict[str, str]], JobProcess],
     env: dict[str, str],

@@ -1,6 +1,6 @@
 """The preflight on a real vLLM (the CPU build in CI), against a model directory whose weight
 files cannot be read: the preflight never reads weights (vLLM's dummy load format), so it passes
-there, and ``run`` gets through it and fails only when the real engine loads the weights.
+there; ``run`` checks the weight files first (job.weights) and refuses them, before the preflight.
 
 The four failures that once each cost a full model load on an 8-GPU node are injected, one at a
 time, into the installed adapter set inside the job's own processes (a sitecustomize that patches
@@ -187,20 +187,22 @@ def test_each_known_failure_fails_the_preflight_with_exit_2_naming_it(
     print(f"\n{injection}: {error}")
 
 
-def test_preflight_passes_without_reading_the_weights_and_run_fails_only_at_the_load(
+def test_preflight_passes_without_reading_the_weights_and_run_refuses_them_before_it(
     unreadable_model: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
     args = [f"--model.path={unreadable_model}", f"--output.uri={out}"]
-    rc, events, error = _job("run", args, tmp_path / "cache")
-    names = [e["event"] for e in events]
+    rc, events, error = _job("preflight", args, tmp_path / "cache")
     passed = next(e for e in events if e["event"] == "preflight_passed")
-    assert rc != 0 and error, names
+    assert rc == 0, (error, events[-3:])
     assert any("the weights themselves" in line for line in passed["not_proven"])
     assert any(line.startswith("pipeline: 3 samples") for line in passed["proven"]), passed["proven"]
-    # After the preflight, the real engine began to start and failed loading the weights: before its
-    # capture was installed (the first thing after the load).
-    after = names[names.index("preflight_passed") :]
-    assert "adapter_selected" in after and "capture_installed" not in after, after
-    assert "preflight_failed" not in names
-    print(f"\nrun with unreadable weights: preflight passed in {passed['seconds']}, then {error}")
+    # run checks the weight files before anything else that costs time: exit 2 naming them.
+    rc, events, error = _job("run", args, tmp_path / "cache")
+    assert rc == EXIT_CONFIG, (error, events[-3:])
+    assert error == (
+        f"error: model.path {unreadable_model}: 1 weight file(s) cannot load: model.safetensors: cannot be "
+        "read (No such file or directory); copy or download the model's weights again"
+    )
+    assert not [e for e in events if e["event"].startswith("preflight")]
+    print(f"\nunreadable weights: preflight passed in {passed['seconds']}; run: {error}")

@@ -13,8 +13,10 @@ from typing import Any
 import torch
 
 from job.backends import Backend, BackendInput, Completion, GenerationInput, HiddenChunk
+from job.errors import ConfigError
 from job.hidden_dtype import HiddenDtype, hidden_dtype
 from job.model import ModelInfo
+from job.weights import weights_load_problem
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -48,7 +50,15 @@ class HFBackend(Backend):
         target = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         )
-        loaded = AutoModelForCausalLM.from_pretrained(model.path, dtype=hidden_dtype(model.dtype).torch)
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(model.path, dtype=hidden_dtype(model.dtype).torch)
+        except Exception as exc:
+            if (problem := weights_load_problem(exc)) is None:
+                raise
+            raise ConfigError(
+                f"model.path {model.path}: the weights do not load ({problem}); copy or download the "
+                "model's weights again, or point model.path at the model they belong to"
+            ) from exc
         return cls(loaded.to(target), layer_ids, dtype)
 
     def _capture_input(self, _module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

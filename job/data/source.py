@@ -34,6 +34,12 @@ What one record can do is bounded, so no record crashes the run or sets its memo
   file-level error naming the file; concatenated gzip members and zstd frames are read
   one after another.
 
+A file is read as it was fingerprinted at start (``data_fingerprint``), never further: a local
+file only up to the size it had then (what is appended later is in no output, and a
+``input_file_grew`` warning says so), its bytes checked against the fingerprint's CRC64NVME as
+they are read (a file changed in place is an error naming it, exit 2); an S3 object only in
+the version (ETag) listed, a replaced one an error naming it.
+
 Parquet rows are read in batches of about ``PARQUET_BATCH_BYTES`` (from the row
 groups' sizes) rather than a fixed row count, so large rows do not pile up. A map column
 (Spark's ``list<map<string,string>>`` messages) is read as objects, as a struct column is.
@@ -59,7 +65,7 @@ from job.data import exact_json
 from job.errors import ConfigError
 from job.settings import config_dir, path_problem
 from job.storage import connect_transport, uri_scheme
-from job.storage.transport import ObjectInfo
+from job.storage.transport import ObjectChanged, ObjectInfo
 
 BUILTIN_EXAMPLES = "builtin:examples"
 # Lower case; names are matched case-insensitively.
@@ -174,10 +180,11 @@ def scan_input(path: str) -> InputListing:
             )
         try:
             size = p.stat().st_size
-            content_id = "crc64nvme:" + _file_crc(p)
+            crc = _file_crc(p, size)
         except OSError as exc:
             raise ConfigError(f"data.path: cannot read {_printable(str(p))}: {exc.strerror}") from None
-        files.append(InputFile(name, size, (lambda p=p: p.open("rb")), str(p), content_id))
+        opener = lambda p=p, size=size, crc=crc: _FingerprintedFile(p, size, crc)  # noqa: E731
+        files.append(InputFile(name, size, opener, str(p), "crc64nvme:" + crc))
     return InputListing(files, skipped)
 
 
@@ -257,16 +264,92 @@ def _printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _file_crc(path: Path) -> str:
-    """CRC64NVME of a file's bytes, read through one reused buffer: no mapping, so the
-    pages read do not count in this process's RSS (its peak is what a pod is sized by)."""
+def _file_crc(path: Path, size: int) -> str:
+    """CRC64NVME of a file's first ``size`` bytes (what it held when its size was taken), read
+    through one reused buffer: no mapping, so the pages read do not count in this process's RSS
+    (its peak is what a pod is sized by)."""
     crc = 0
     buffer = bytearray(_CRC_BUFFER)
     view = memoryview(buffer)
     with path.open("rb", buffering=0) as f:
-        while n := f.readinto(buffer):
+        left = size
+        while left and (n := f.readinto(view[: min(left, _CRC_BUFFER)])):
             crc = crc64nvme(view[:n], crc)
+            left -= n
     return encode_crc(crc)
+
+
+class _FingerprintedFile(io.RawIOBase):
+    """A local data file as fingerprinted at start: its first ``size`` bytes, no more. Read from
+    its start to its end in order (JSONL, compressed or not), its bytes must have the
+    fingerprint's CRC64NVME; a reader that seeks (Parquet) is held to the size alone."""
+
+    def __init__(self, path: Path, size: int, crc: str) -> None:
+        self._path, self._size, self._crc = path, size, crc
+        self._file = path.open("rb", buffering=0)
+        self._pos = 0
+        self._running: int | None = 0  # CRC64NVME of bytes [0, _pos); None once read out of order
+        self._ended = False
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        target = min(max(0, base + offset), self._size)
+        if target != self._pos:
+            self._running = None
+            self._pos = self._file.seek(target)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        wanted = min(len(view), self._size - self._pos)
+        n = self._file.readinto(view[:wanted]) or 0
+        if wanted and not n:
+            raise ConfigError(
+                f"data.path: {_printable(str(self._path))} shrank while this run read it: it ended at byte "
+                f"{self._pos} of the {self._size} it had when the run started. Let whatever writes it "
+                "finish, then run again on a new output.uri"
+            )
+        if self._running is not None:
+            self._running = crc64nvme(view[:n], self._running)
+        self._pos += n
+        if self._pos == self._size and not self._ended:
+            self._ended = True
+            self._check_end()
+        return n
+
+    def _check_end(self) -> None:
+        where = _printable(str(self._path))
+        if self._running is not None and (now := encode_crc(self._running)) != self._crc:
+            raise ConfigError(
+                f"data.path: {where} changed while this run read it: its first {self._size} bytes have "
+                f"CRC64NVME {now}, {self._crc} when the run started, so samples from both versions may "
+                "be in the output. Let whatever writes it finish, then run again on a new output.uri"
+            )
+        grown = os.fstat(self._file.fileno()).st_size
+        if grown > self._size:
+            from job.logs import get_logger
+
+            get_logger().warning(
+                "input_file_grew",
+                file=where,
+                read_bytes=self._size,
+                size_now=grown,
+                note="only the bytes it held when the run started were read (its fingerprint); what was "
+                "added is in no output, and a run on this output.uri with the grown file is refused",
+            )
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
 def _list_objects(uri: str) -> InputListing:
@@ -332,6 +415,12 @@ def read_records(
                         record.size,
                         record.generated_id,
                     )
+            except ObjectChanged:
+                raise ConfigError(
+                    f"data.path: {f.location} was replaced while this run read it (another version than "
+                    "the one listed at start), so samples from both versions may be in the output. Let "
+                    "whatever writes it finish, then run again on a new output.uri"
+                ) from None
             except EOFError:
                 raise ConfigError(
                     f"data: cannot decompress {f.location}: it ends inside its compressed data, so it "

@@ -44,8 +44,11 @@ class Committer:
         log: Any,
         workers: int = 1,
         regenerated: Callable[[list[str]], list[dict[str, Any]]] | None = None,
+        pin: Callable[[], None] = lambda: None,
     ) -> None:
-        """``regenerated``: with generate.mode, the sidecar lines of a shard's samples, by id."""
+        """``regenerated``: with generate.mode, the sidecar lines of a shard's samples, by id.
+        ``pin``: called once, before the first manifest that lists a shard or is complete (it
+        writes the output's extraction.json)."""
         self.store = store
         self._regenerated = regenerated
         self.manifest = manifest
@@ -59,10 +62,20 @@ class Committer:
         self.committed_samples = 0
         self.direct_io_bytes = 0  # of the shards committed by this run
         self._fallback_reported = False
+        self._pin = pin
+        self._pinned = False
+        self._pending: set[str] = set()  # shards submitted and not yet committed (or dropped)
 
     def submit(self, finished: FinishedShard) -> None:
         """Commit a finished shard in the background (any thread)."""
+        with self._lock:
+            self._pending.add(finished.plan.name)
         self._pool.submit(self._run, finished)
+
+    def pending(self) -> set[str]:
+        """The shards submitted and not yet committed (any thread)."""
+        with self._lock:
+            return set(self._pending)
 
     def close(self) -> None:
         """Finish every submitted shard, then stop; raises the first commit error."""
@@ -76,6 +89,9 @@ class Committer:
             if rejected is not None:
                 self.manifest.counts.rejected = rejected
             self.manifest.complete = complete
+            if not self._pinned and (complete or self.manifest.shards):
+                self._pin()
+                self._pinned = True
             self._version = self.store.write_manifest(self.manifest.to_bytes(), self._version)
 
     def _run(self, finished: FinishedShard) -> None:
@@ -85,6 +101,9 @@ class Committer:
                 return
         except BaseException as exc:
             self.error = self.error or exc
+        finally:
+            with self._lock:
+                self._pending.discard(finished.plan.name)
         # The run is failing: drop the shard and free its staging space, so that extraction
         # waiting for that space wakes up and sees the error.
         finished.staged.discard()

@@ -125,6 +125,10 @@ class BackendFeed:
         for plan in self._planner.add(sample):
             yield from self._start(plan)
 
+    def under_way(self) -> list[ShardPlan]:
+        """The shards reserved and not yet committed (any thread: a snapshot)."""
+        return [r.plan for r in list(self._reserved) if not r.staged.released]
+
     def abandon(self) -> list[ShardPlan]:
         """Give back the staging space of every reserved shard not committed (its file is
         deleted; its samples are redone by a later run); returns their plans. Call it once

@@ -1,9 +1,16 @@
 """Resume: what an index already holds, and a clean slate for everything else.
 
 The manifest is the only record of what exists. A listed shard is checked against it
-(output.verify_on_resume) and its samples are skipped by this run; anything unlisted (an
-interrupted run's leftovers) is discarded where the store allows it (local) or left alone
-and never read (object stores), and new shards take numbers above every name present.
+(output.verify_on_resume), in a complete index too, and its samples are skipped by this run;
+anything unlisted (an interrupted run's leftovers) is discarded where the store allows it
+(local) or left alone and never read (object stores), and new shards take numbers above every
+name present.
+
+An index, and the output, are pinned to one extraction (model, weights, layers, data, settings)
+only once they hold something committed: a manifest that lists no shard and is not complete
+(its run failed before committing any, on data without records say) is started over with this
+run's settings, and ``extraction.json`` is written when the first shard is listed
+(``pin_output``), not when a run starts.
 """
 
 from __future__ import annotations
@@ -32,9 +39,13 @@ class Resumed:
 def resume(setup: RunSetup, store: IndexStore, log: Any) -> Resumed:
     data, version = store.read_manifest()
     manifest = None if data is None else Manifest.from_bytes(data, store.location)
+    earlier_runs: list[str] = []
+    if manifest is not None and not manifest.shards and not manifest.complete:
+        log.info("index_started_over", location=store.location, earlier_runs=manifest.run_ids)
+        earlier_runs, manifest = manifest.run_ids, None
     if manifest is not None:
         manifest.check_resumable(setup.identity, store.location)
-    _check_same_extraction(setup.identity, store)
+    _check_extraction(setup.identity, store.read_output_claim(), store)
     if manifest is None:
         model = setup.model
         manifest = Manifest(
@@ -46,9 +57,11 @@ def resume(setup: RunSetup, store: IndexStore, log: Any) -> Resumed:
             layer_convention=LAYER_CONVENTION,
             final_layer_prenorm=True,
             backend={},
+            run_ids=earlier_runs,
         )
-    if not manifest.complete:
-        _check_committed(manifest, store, setup.settings.output, log)
+    if _check_committed(manifest, store, setup.settings.output, log) and manifest.complete:
+        manifest.complete = False  # a shard was dropped: its samples are to be extracted again
+        log.warning("complete_index_reopened", location=store.location, shards=len(manifest.shards))
     names = store.list_names() if not manifest.complete else []
     keep = manifest.listed_names() | {MANIFEST, REJECTED}
     for name in names:
@@ -58,13 +71,25 @@ def resume(setup: RunSetup, store: IndexStore, log: Any) -> Resumed:
     return Resumed(manifest, version, next_number, manifest.counts.written)
 
 
-def _check_same_extraction(identity: Identity, store: IndexStore) -> None:
+def pin_output(identity: Identity, store: IndexStore) -> None:
+    """Write the output's ``EXTRACTION`` (create-only) unless one exists, and check that it is this
+    run's: called before the index's manifest first lists a shard or is complete."""
+    _check_extraction(identity, store.claim_output(_extraction_bytes(identity)), store)
+
+
+def _extraction_bytes(identity: Identity) -> bytes:
+    return json.dumps(
+        identity.model_dump(mode="json", exclude={"work_index"}), indent=1, sort_keys=True
+    ).encode()
+
+
+def _check_extraction(identity: Identity, found: bytes | None, store: IndexStore) -> None:
     """Every index of one output holds one extraction: the same model, layers, data, settings and
-    work.count. The first run to start writes what that is (``EXTRACTION``); an index run with
-    anything else, a different work.count above all, would split the samples differently and
-    write some twice."""
-    ours = identity.model_dump(mode="json", exclude={"work_index"})
-    found = store.claim_output(json.dumps(ours, indent=1, sort_keys=True).encode())
+    work.count. The first index to commit a shard writes what that is (``EXTRACTION``); an index
+    run with anything else, a different work.count above all, would split the samples differently
+    and write some twice. ``found``: the file's content, None while there is none."""
+    if found is None:
+        return
     where = f"{EXTRACTION} beside {store.location}"
     try:
         theirs = Identity.model_validate({**json.loads(found), "work_index": identity.work_index})
@@ -77,11 +102,12 @@ def _check_same_extraction(identity: Identity, store: IndexStore) -> None:
         )
 
 
-def _check_committed(manifest: Manifest, store: IndexStore, output: OutputSettings, log: Any) -> None:
+def _check_committed(manifest: Manifest, store: IndexStore, output: OutputSettings, log: Any) -> bool:
     """Every committed shard must still be what its manifest says (output.verify_on_resume); a
     damaged one stops the run, or with output.on_damaged_shard=reextract is dropped from the
     manifest (its samples are extracted again; local files are deleted with the leftovers). A
-    shard's sidecar of regenerated conversations is checked with it: either damaged drops both."""
+    shard's sidecar of regenerated conversations is checked with it: either damaged drops both.
+    Returns whether a shard was dropped."""
     damaged = []
     for entry in manifest.shards:
         try:
@@ -91,7 +117,7 @@ def _check_committed(manifest: Manifest, store: IndexStore, output: OutputSettin
         except DamagedShard as exc:
             damaged.append((entry, str(exc)))
     if not damaged:
-        return
+        return False
     if output.on_damaged_shard == "stop":
         raise ConfigError(
             f"{len(damaged)} committed shard(s) of {store.location} no longer match the manifest: "
@@ -100,3 +126,4 @@ def _check_committed(manifest: Manifest, store: IndexStore, output: OutputSettin
     for entry, problem in damaged:
         manifest.drop_shard(entry)
         log.warning("damaged_shard_dropped", shard=entry.name, samples=entry.num_samples, problem=problem)
+    return True

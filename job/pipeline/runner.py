@@ -26,7 +26,7 @@ from job.pipeline.cleanup import Cleanup
 from job.pipeline.commit import Committer
 from job.pipeline.feed import BackendFeed, ShardPlanner
 from job.pipeline.rejections import Rejections, SampleWarnings
-from job.pipeline.resume import Resumed, resume
+from job.pipeline.resume import Resumed, pin_output, resume
 from job.pipeline.setup import RunSetup, new_run_id, prepare_run
 from job.pipeline.stop import StopFlag, exit_on_stop_signal
 from job.progress import Progress, Snapshot
@@ -38,14 +38,18 @@ from job.storage.base import IndexStore
 
 
 def run_job(
-    settings: JobSettings, backend: Backend | None = None, sample_limit: int | None = None
+    settings: JobSettings,
+    backend: Backend | None = None,
+    sample_limit: int | None = None,
+    check_weights: bool = True,
 ) -> dict[str, Any]:
     """Run one work index. A caller-provided ``backend`` (benchmarks reuse one engine across
     runs; the preflight brings its reduced one) is used as is and left open. ``sample_limit``:
-    only the index's first so many samples (the preflight's)."""
+    only the index's first so many samples (the preflight's). ``check_weights`` False: the model's
+    weight files are neither checked nor fingerprinted (the preflight's engine loads none)."""
     run_id = new_run_id()
     log = get_logger(run_id=run_id, work_index=settings.work.index)
-    setup = prepare_run(settings)
+    setup = prepare_run(settings, check_weights)
     if backend is None and settings.backend.name == "vllm" and settings.preflight.before_run:
         # Before the output is opened: a failing preflight leaves it untouched.
         from job.preflight import preflight_in_subprocess
@@ -103,12 +107,14 @@ class IndexRun:
         self.sample_limit = sample_limit
         self.status = "failed"
         self.started = time.monotonic()
+        self._wiring: _Wiring | None = None
+        stop.on_request = self._report_stop
 
     def run(self) -> dict[str, Any]:
         with Cleanup(self.log) as cleanup:
             self._open_log(cleanup)
             try:
-                wiring = self._wire(cleanup)
+                wiring = self._wiring = self._wire(cleanup)
                 clock = _Clock(extract_started=time.monotonic())
                 clock.backend_done = self._extract(wiring)
                 clock.rows_written, clock.committed = self._commit(wiring)
@@ -186,6 +192,7 @@ class IndexRun:
             self.log,
             workers=uploads,
             regenerated=None if regenerator is None else regenerator.take_records,
+            pin=lambda: pin_output(setup.identity, self.store),
         )
         cleanup.callback(self._close_committer_if_failed, committer)
         committer.write_manifest()
@@ -243,6 +250,35 @@ class IndexRun:
                 "generation_configured", mode=regenerator.mode, sources=sampling.sources, **sampling.record()
             )
         return regenerator
+
+    def _report_stop(self, reason: str) -> None:
+        """``stop_requested``, at once (on its own thread): what the run still finishes before it
+        stops, as the stop itself may take minutes (a large shard on a CPU)."""
+        w = self._wiring
+        if w is None:
+            self.log.warning(
+                "stop_requested", signal=reason, shards_being_filled=[], shards_being_committed=[]
+            )
+            return
+        committing = w.committer.pending()
+        left = w.writer.samples_left()
+        filling = [
+            {
+                "shard": plan.name,
+                "samples": len(plan.samples),
+                "samples_left": left.get(plan.number, len(plan.samples)),
+            }
+            for plan in w.inputs.under_way()
+            if plan.name not in committing
+        ]
+        self.log.warning(
+            "stop_requested",
+            signal=reason,
+            shards_being_filled=filling,
+            shards_being_committed=sorted(committing),
+            next="the backend finishes the samples it has under way and the shards they complete are "
+            "committed; what is left is abandoned and redone by the next run; then run_stopped, exit 143",
+        )
 
     def _check_rejections(self, w: _Wiring, records: int, owned: int) -> None:
         """A run that wrote nothing, or rejected more than data.max_rejected_fraction, stops with exit

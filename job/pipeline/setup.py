@@ -18,6 +18,7 @@ from job.hidden_dtype import HiddenDtype, stored_dtype
 from job.manifest import Identity
 from job.model import LAYER_CONVENTION, ModelInfo, resolve_model
 from job.settings import JobSettings
+from job.weights import check_weights, weights_fingerprint
 
 # Everything that decides input_ids and loss masks. Current transformers saves a model's
 # chat template to chat_template.jinja (or .json), not inside tokenizer_config.json.
@@ -33,6 +34,10 @@ _TOKENIZER_FILES = (
 _IDS_AND_MASK_BYTES = 4 + 1
 
 
+# vLLM load formats that read the model directory's safetensors or pickles as transformers does.
+_FILE_LOAD_FORMATS = (None, "auto", "safetensors", "pt", "fastsafetensors")
+
+
 def new_run_id() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(3)
 
@@ -45,6 +50,22 @@ def tokenizer_fingerprint(model: ModelInfo, chat_template: str | None) -> str:
             digest.update(name.encode() + b"\0" + path.read_bytes())
     digest.update(b"template\0" + (chat_template or "").encode())
     return "sha256:" + digest.hexdigest()
+
+
+def model_weights_fingerprint(settings: JobSettings, model: ModelInfo) -> str:
+    """The weights' fingerprint, after checking that they can load (ConfigError, exit 2, if not).
+    vLLM's dummy weights (backend.vllm.engine_args load_format, benchmarks) read no file; other
+    load formats than the file ones are fingerprinted from what the directory holds, unchecked."""
+    vllm = settings.backend.name == "vllm"
+    load_format = settings.backend.vllm.engine_args.get("load_format") if vllm else None
+    if load_format == "dummy":
+        return "dummy (backend.vllm.engine_args load_format)"
+    try:
+        return weights_fingerprint(check_weights(model.path))
+    except ConfigError:
+        if load_format in _FILE_LOAD_FORMATS:
+            raise
+        return f"unchecked (load_format {load_format})"
 
 
 @dataclass(frozen=True)
@@ -153,7 +174,9 @@ def check_backend(settings: JobSettings, model: ModelInfo) -> None:
         )
 
 
-def prepare_run(settings: JobSettings) -> RunSetup:
+def prepare_run(settings: JobSettings, check_weights: bool = True) -> RunSetup:
+    """``check_weights`` False: the weights are neither checked nor fingerprinted (the preflight,
+    whose engine loads none)."""
     model = resolve_model(settings.model)
     check_backend(settings, model)
     layer_ids = model.resolve_layer_ids(settings.layers.ids)
@@ -177,6 +200,7 @@ def prepare_run(settings: JobSettings) -> RunSetup:
         sampling = resolve_sampling(settings.generate, model.path, eos)
     identity = Identity(
         model_config_hash=model.config_hash,
+        weights_fingerprint=model_weights_fingerprint(settings, model) if check_weights else "unchecked",
         layer_ids=layer_ids,
         storage=dtype.name,
         data_fingerprint=data_fingerprint(listing.files),

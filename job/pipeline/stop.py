@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
@@ -29,6 +29,9 @@ class StopFlag:
         self._event = threading.Event()
         self.signal_name = ""
         self._previous: dict[int, Any] = {}
+        # Called once, with the reason, when the first stop is requested: the run says at once what
+        # it still has to finish (the stop itself may take minutes, a large shard on a CPU).
+        self.on_request: Callable[[str], None] | None = None
 
     def __enter__(self) -> StopFlag:
         if threading.current_thread() is threading.main_thread():
@@ -45,8 +48,12 @@ class StopFlag:
         return self._event.is_set()
 
     def request(self, reason: str) -> None:
+        first = not self._event.is_set()
         self.signal_name = reason
         self._event.set()
+        if first and self.on_request is not None:
+            # From another thread: a signal may land while this (main) thread holds the logger's lock.
+            threading.Thread(target=self.on_request, args=(reason,), name="stop-report", daemon=True).start()
 
     def _handle(self, signum: int, _frame: Any) -> None:
         self.request(signal.Signals(signum).name)

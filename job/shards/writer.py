@@ -241,6 +241,11 @@ class ShardWriter:
             self._slots.acquire()
             self._pool.submit(self._write, pieces, first, min(first + step, count))
 
+    def samples_left(self) -> dict[int, int]:
+        """Samples not yet written of each shard being filled, by shard number (any thread)."""
+        with self._lock:
+            return {number: shard.remaining for number, shard in self._open.items()}
+
     def close(self, raise_error: bool = True) -> None:
         """Wait for every queued piece; raise the first write error."""
         self._pool.shutdown(wait=True)

@@ -57,6 +57,10 @@ class IndexStore(ABC):
         """Replace the manifest if it is still at ``version``; return the new version."""
 
     @abstractmethod
+    def read_output_claim(self) -> bytes | None:
+        """What the output's ``EXTRACTION`` file holds; None while no index has committed anything."""
+
+    @abstractmethod
     def claim_output(self, data: bytes) -> bytes:
         """Write ``data`` as the output's ``EXTRACTION`` file (beside the index directories) unless
         one exists, atomically and create-only; return what the file holds."""

@@ -78,6 +78,12 @@ class LocalIndexStore(IndexStore):
         self._write_atomic(self.directory / MANIFEST, data)
         return None
 
+    def read_output_claim(self) -> bytes | None:
+        try:
+            return (self.directory.parent / EXTRACTION).read_bytes()
+        except FileNotFoundError:
+            return None
+
     def claim_output(self, data: bytes) -> bytes:
         target = self.directory.parent / EXTRACTION
         with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{EXTRACTION}.", delete=False) as tmp:

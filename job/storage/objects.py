@@ -138,6 +138,10 @@ class ObjectIndexStore(IndexStore):
             self._abort_uploads()
         return new_version
 
+    def read_output_claim(self) -> bytes | None:
+        found = self.transport.get(self._root_prefix + EXTRACTION)
+        return None if found is None else found[0]
+
     def claim_output(self, data: bytes) -> bytes:
         key = self._root_prefix + EXTRACTION
         try:

@@ -45,7 +45,7 @@ from s3transfer.manager import TransferConfig, TransferManager
 
 from job.errors import ConfigError, JobError, StorageError
 from job.manifest import Checksum
-from job.storage.transport import ObjectExists, ObjectInfo, ObjectTransport, PreconditionFailed
+from job.storage.transport import ObjectChanged, ObjectExists, ObjectInfo, ObjectTransport, PreconditionFailed
 
 # Defaults for botocore's retry policy, used unless AWS_RETRY_MODE / AWS_MAX_ATTEMPTS (or the
 # shared config file) say otherwise. "standard" retries 5xx, SlowDown/throttling and connection
@@ -67,6 +67,7 @@ _T = TypeVar("_T")
 # The full-object checksums S3 records, by the algorithm's name in our manifests (job.checksum).
 _CHECKSUM_HEADERS = {"crc64nvme": "ChecksumCRC64NVME"}
 DEFAULT_PART_SIZE = 64 * 1024**2
+WRITE_PROBE = ".write-probe-"  # the start-up check's multipart uploads: their keys' start under the index
 _CREDENTIAL_ERRORS = {
     "InvalidAccessKeyId",
     "SignatureDoesNotMatch",
@@ -262,15 +263,18 @@ class S3Transport(ObjectTransport):
             lambda: self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix, MaxUploads=1),
         )
         # Creating and aborting a multipart upload proves s3:PutObject and s3:AbortMultipartUpload
-        # without creating an object. A create whose response was lost and retried leaves a second
-        # upload to the same (random) key: every upload to it is aborted. One that a kill left
-        # behind lies under the index's prefix, where its next owner aborts it.
-        probe = f"{prefix}.write-probe-{secrets.token_hex(4)}"
+        # without creating an object. Every probe upload under the prefix is aborted: this one (a
+        # create whose response was lost and retried leaves a second upload to its key) and any a
+        # run killed between its create and its abort left, whatever the index's state (the first
+        # manifest write's clean-up never comes for a complete index). Another run's probe aborted
+        # under its feet is harmless: it has proven its access by creating it.
+        probes = f"{prefix}{WRITE_PROBE}"
+        probe = f"{probes}{secrets.token_hex(4)}"
         self._retrying(
             f"writing under {where}",
             lambda: self._client.create_multipart_upload(Bucket=self.bucket, Key=probe),
         )
-        self.abort_uploads(probe, {probe})
+        self.abort_uploads(probes)
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         def pages() -> list[ObjectInfo]:
@@ -504,7 +508,7 @@ class _ObjectReader(io.RawIOBase):
                 return n
             except ClientError as exc:
                 if _is_status(exc, 412):
-                    raise StorageError(f"{setting}: {where} changed while the job was reading it") from None
+                    raise ObjectChanged(f"{setting}: {where} changed while the job was reading it") from None
                 raise _translate(exc, setting, transport.bucket, f"reading {where}") from None
             except (*_BROKEN_RESPONSE, BotoCoreError, StorageError) as exc:
                 self._drop_body()

@@ -36,6 +36,10 @@ class ObjectExists(JobError):
     """A create-only write found an object at the key (written by someone else)."""
 
 
+class ObjectChanged(StorageError):
+    """A read pinned to an object's version found another version there (it was replaced)."""
+
+
 class PreconditionFailed(JobError):
     """A conditional write found the object changed (or present) since the version given."""
 
