@@ -61,7 +61,7 @@ def _settings(args: argparse.Namespace, data: Path, out: Path, generating: bool)
         f"--data.max_length={args.max_length}",
         "--data.tokenizer_workers=0",
         "--backend.name=vllm",
-        "--backend.vllm.enforce_eager=true",
+        f"--backend.vllm.enforce_eager={not args.compiled}",
         f"--backend.vllm.max_num_batched_tokens={args.max_num_batched_tokens}",
         f"--backend.vllm.max_num_seqs={args.max_num_seqs}",
         f"--backend.vllm.engine_args={args.engine_args}",
@@ -316,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--shard-bytes", default="256KiB")
+    ap.add_argument("--compiled", action="store_true", help="vLLM's compilation (default: eager mode)")
     ap.add_argument("--engine-args", default='{"block_size": 16}', help="backend.vllm.engine_args (JSON)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--label", default="", help="recorded in every row (e.g. the commit measured)")
