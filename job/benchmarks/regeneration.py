@@ -1,4 +1,4 @@
-"""``python -m job.generate.bench``: a regenerating run against its own parts, on one engine.
+"""``python -m job.benchmarks.regeneration``: a regenerating run against its own parts, on one engine.
 
 One vLLM engine (the job's backend, built once) does, per round and in this order:
 
@@ -304,7 +304,9 @@ def _head(data: Path, work: Path, count: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m job.generate.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m job.benchmarks.regeneration", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--model", default="builtin:tiny-chatml")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--mode", default="all_turns", choices=["all_turns", "last_turn"])
