@@ -22,18 +22,22 @@ CAPTURE_CONFIG_KEY = "eagle3_extract_capture"
 MODEL_RUNNER_V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
-def build_engine_config(engine_kwargs: dict[str, Any], capture: dict[str, Any], generating: bool) -> Any:
+def build_engine_config(
+    engine_kwargs: dict[str, Any], capture: dict[str, Any], generating: bool, model_runner_v1: bool
+) -> Any:
     """EngineArgs -> VllmConfig with the pinned arguments and the capture's compile-cache key;
     a clash or vLLM's refusal is a ConfigError naming backend.vllm.engine_args.
 
-    ``generating``: Model Runner V1 unless ``VLLM_USE_V2_MODEL_RUNNER`` says otherwise: the first
-    generating run on V2 (vLLM 0.26's default for dense models on a GPU) hung in its start-up on
-    an H200, V1 generated at 1.01x plain ``LLM.generate`` (docs/benchmarks.md). On a CPU build:
+    ``generating``: Model Runner V1 where the line has it (``model_runner_v1``) unless
+    ``VLLM_USE_V2_MODEL_RUNNER`` says otherwise: the first generating run on V2 (vLLM 0.26's
+    default for dense models on a GPU) hung in its start-up on an H200, V1 generated at 1.01x
+    plain ``LLM.generate`` (docs/benchmarks.md). From 0.34 V2 is the only runner (vLLM refuses
+    the variable set to 0), so such runs generate on V2. On a CPU build:
     whole prompts per step (no chunked prefill, a token budget of at least max_model_len): vLLM
     rewinds a seeded request's generator after a partial prefill (``Generator.set_offset``),
     which CPU generators do not have ("CPU Generator does not use offset"), and generation
     requests are seeded."""
-    if generating:
+    if generating and model_runner_v1:
         os.environ.setdefault(MODEL_RUNNER_V2_ENV, "0")  # read when the config is created
     clashes = {
         k: v for k, v in engine_kwargs.items() if k in PINNED_ENGINE_ARGS and PINNED_ENGINE_ARGS[k] != v

@@ -89,6 +89,18 @@ def _utils_registered_specs(executor: Any, vllm_config: Any) -> KvCacheSetup:
 def _planning_global_groups(executor: Any, vllm_config: Any) -> KvCacheSetup:
     """Planning in ``kv_cache_planning`` with global groups; the KV layout is negotiated
     with the workers; warm-up is a separate call (0.33)."""
+    return _planning(executor, vllm_config, extensible_cache=False)
+
+
+def _planning_extensible(executor: Any, vllm_config: Any) -> KvCacheSetup:
+    """As 0.33, with 0.34's extensible KV cache (on by default on CUDA): a worker that cannot
+    have it turns it off everywhere; otherwise the cache is reserved at its planned size and
+    committed after warm-up at the size the workers measured then, the context length fitted
+    again if vLLM chose it."""
+    return _planning(executor, vllm_config, extensible_cache=True)
+
+
+def _planning(executor: Any, vllm_config: Any, extensible_cache: bool) -> KvCacheSetup:
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
     from vllm.v1.core.kv_cache_utils import (
@@ -99,8 +111,14 @@ def _planning_global_groups(executor: Any, vllm_config: Any) -> KvCacheSetup:
     )
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 
+    cache = vllm_config.cache_config
     register_all_kvcache_specs(vllm_config)
     specs = executor.get_kv_cache_specs()
+    if extensible_cache and cache.enable_extensible_kv_cache:
+        reason = executor.extensible_kv_cache_unsupported_reason(specs)
+        if reason is not None:
+            executor.disable_extensible_kv_cache(reason)
+    extensible = extensible_cache and bool(cache.enable_extensible_kv_cache)
     layout = resolve_kv_cache_layout(
         vllm_config,
         executor.get_supported_kv_cache_layouts(),
@@ -116,14 +134,15 @@ def _planning_global_groups(executor: Any, vllm_config: Any) -> KvCacheSetup:
         lambda available: get_kv_cache_configs(vllm_config, specs, available, global_groups),
     )
     for config in configs:
-        config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+        config.kv_cache_layout = cache.kv_cache_layout
     scheduler_config = generate_scheduler_kv_cache_config(configs)
-    vllm_config.cache_config.num_gpu_blocks = scheduler_config.num_blocks
+    cache.num_gpu_blocks = scheduler_config.num_blocks
     groups = scheduler_config.kv_cache_groups
     if groups:
         cacheable = [g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable]
-        vllm_config.cache_config.block_size = min(cacheable or [g.kv_cache_spec.block_size for g in groups])
-        update_kv_cache_capacity(vllm_config, scheduler_config)
+        cache.block_size = min(cacheable or [g.kv_cache_spec.block_size for g in groups])
+        if not extensible:  # an extensible cache's capacity is known after warm-up
+            update_kv_cache_capacity(vllm_config, scheduler_config)
     vllm_config.validate_block_size()
     block_size, hash_block_size = resolve_kv_cache_block_sizes(scheduler_config, vllm_config)
     alignment = resolve_cache_hit_alignment_tokens(scheduler_config, vllm_config, block_size, hash_block_size)
@@ -131,7 +150,15 @@ def _planning_global_groups(executor: Any, vllm_config: Any) -> KvCacheSetup:
         config.hash_block_size = hash_block_size
         config.cache_hit_alignment_tokens = alignment
     executor.initialize_from_config(configs)
-    executor.compile_or_warm_up_model()
+    compilation_times = executor.compile_or_warm_up_model()
+    if extensible:
+        from vllm.v1.core.kv_cache_planning import finalize_extensible_kv_cache
+
+        planned_len = vllm_config.model_config.max_model_len
+        num_blocks = finalize_extensible_kv_cache(vllm_config, configs, scheduler_config, compilation_times)
+        if vllm_config.model_config.max_model_len != planned_len:
+            executor.collective_rpc("update_max_model_len", args=(vllm_config.model_config.max_model_len,))
+        executor.extend_kv_cache(num_blocks)
     return KvCacheSetup(scheduler_config, block_size, hash_block_size)
 
 
@@ -139,6 +166,7 @@ _SETUPS: dict[str, Callable[[Any, Any], KvCacheSetup]] = {
     "utils_initialize_cache_rpc": _utils_initialize_cache_rpc,
     "utils_registered_specs": _utils_registered_specs,
     "planning_global_groups": _planning_global_groups,
+    "planning_extensible": _planning_extensible,
 }
 
 

@@ -38,7 +38,7 @@ class AdapterSet:
     ) -> Any:
         """The VllmConfig for these EngineArgs, with what capture needs pinned and ``capture`` (its
         mode and layers) in the compile-cache key; ``generating``: the run samples seeded turns."""
-        return engine.build_engine_config(engine_kwargs, capture, generating)
+        return engine.build_engine_config(engine_kwargs, capture, generating, self.facts.model_runner_v1)
 
     def start_executor(self, vllm_config: Any) -> Any:
         return engine.start_executor(vllm_config)

@@ -8,7 +8,8 @@ from adapters.facts import VllmFacts
 
 
 def _is_v2(facts: VllmFacts, model_runner: Any) -> bool:
-    return type(model_runner).__module__ == facts.model_runner_v2_module
+    """V2's GPUModelRunner or a runner built on it (0.34's CPUModelRunner subclasses it)."""
+    return any(cls.__module__ == facts.model_runner_v2_module for cls in type(model_runner).__mro__)
 
 
 def step_token_order(facts: VllmFacts, model_runner: Any, scheduler_output: Any) -> list[tuple[str, int]]:

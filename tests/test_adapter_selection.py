@@ -21,6 +21,8 @@ from job.settings import config_dir
         ("0.26.0", "vllm-0.26"),
         ("0.26.0+cu130", "vllm-0.26"),
         ("0.33.0", "vllm-0.33"),
+        ("0.34.0", "vllm-0.34"),
+        ("0.34.1+cu130", "vllm-0.34"),
     ],
 )
 def test_supported_versions_pick_their_set(version: str, expected: str) -> None:
@@ -33,14 +35,15 @@ def test_unsupported_versions_stop_with_the_supported_ranges(version: str) -> No
         select_adapter_set(version)
     message = str(info.value)
     assert f"vLLM {version} is not supported" in message
-    for name in ("vllm-0.16: <0.17,>=0.16.0", "vllm-0.26", "vllm-0.33"):
+    for name in ("vllm-0.16: <0.17,>=0.16.0", "vllm-0.26", "vllm-0.33", "vllm-0.34"):
         assert name in message
     assert "allow_nearest_adapter" in message
     assert info.value.exit_code == EXIT_CONFIG
 
 
 def test_nearest_set_on_request() -> None:
-    assert select_adapter_set("0.99.0", allow_nearest=True).name == "vllm-0.33"
+    assert select_adapter_set("0.99.0", allow_nearest=True).name == "vllm-0.34"
+    assert select_adapter_set("0.33.5", allow_nearest=True).name == "vllm-0.33"
     assert select_adapter_set("0.9.0", allow_nearest=True).name == "vllm-0.16"
     assert select_adapter_set("0.27.1", allow_nearest=True).name == "vllm-0.26"
 

@@ -5,15 +5,20 @@ is short."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from job.data.encode import EncodedSample
+from job.backends import BackendInput, Completion, GenerationInput
+from job.data.encode import EncodedSample, EncoderSpec, SampleEncoder
+from job.generate.sampling import resolve_sampling
+from job.generate.stage import Regenerator
 from job.hidden_dtype import hidden_dtype
 from job.layout import index_dir_name
 from job.pipeline.feed import BackendFeed, ShardPlanner
 from job.pipeline.stop import StopFlag
+from job.settings import GenerateSettings
 from job.shards.format import ShardContext, ShardPlan
 from job.storage.local import LocalIndexStore
 from job.storage.staging import StagingArea
@@ -99,4 +104,43 @@ def test_the_feed_yields_none_while_staging_is_full_and_stops_on_request(tmp_pat
         stop.request("test")
         assert next(inputs).sample_id == "s3"  # type: ignore[union-attr]  # the open shard's samples still come
         assert list(inputs) == []  # then nothing more: the third shard is never reserved
+    store.close()
+
+
+def test_once_every_conversation_started_a_shard_closes_at_what_is_still_generating(
+    tmp_path: Path, builtin_model: Callable[[str], Path]
+) -> None:
+    """Regeneration: after the last conversation has started, finished samples no longer wait for
+    a full shard (they would be extracted after the last turn, with nothing to generate beside
+    them) once they match the conversations still under way. The test answers each turn as a
+    backend would, one conversation at a time, the others still generating."""
+    model_dir = builtin_model("tiny-chatml")
+    spec = EncoderSpec(str(model_dir), None, "auto", 512, "truncate", 1024, True, generate_mode="all_turns")
+    encoder = SampleEncoder(spec)
+    generate = GenerateSettings(mode="all_turns", temperature=0.0, max_new_tokens=8)
+    sampling = resolve_sampling(generate, model_dir, encoder.tokenizer.eos_token_id)
+    regenerator = Regenerator(encoder, sampling, "all_turns", 512, True, "keep", max_active=4)
+    messages = [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "So."}]
+    starts = [encoder.encode(f"c{i}", {"messages": messages}, None) for i in range(6)]
+    store = LocalIndexStore.open(str(tmp_path), 0)
+    planner = ShardPlanner(shard_bytes=1 << 30, bytes_per_token=16, first_number=0)  # one shard, if full
+    eos = sampling.eos_token_ids[0]
+    turns: list[GenerationInput] = []
+    order: list[str] = []  # what the "backend" saw: turns generated, samples handed to extraction
+    with StopFlag() as stop:
+        inputs = BackendFeed(iter(starts), planner, CONTEXT, store.staging, stop, regenerator)
+        for item in inputs:
+            if isinstance(item, GenerationInput):
+                turns.append(item)
+            elif isinstance(item, BackendInput):
+                order.append(f"extract {item.sample_id}")
+            elif turns:  # nothing new: finish the oldest turn under way
+                turn = turns.pop(0)
+                regenerator.complete(Completion(turn.request_id, [eos], "stop"))
+                order.append(f"done {turn.request_id}")
+        shards = [[s.sample_id for s in plan.samples] for plan in inputs.abandon()]
+    # c0..c3 start at once, c4 and c5 as c0 and c1 finish, and the input is exhausted once c2 has
+    # finished: c0..c2 then match the three under way (c3..c5), c3 and c4 the one left (c5).
+    assert shards == [["c0", "c1", "c2"], ["c3", "c4"], ["c5"]]
+    assert order.index("extract c0") < order.index("done c3#0")  # extracted while others generate
     store.close()

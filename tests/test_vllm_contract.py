@@ -2,7 +2,7 @@
 
 They build vLLM's own v1 Scheduler / KV-cache manager / Request on the CPU (no
 model forward) and check the behaviour each adapter exists for. CI runs this
-file once per installed vLLM line (0.16 with the CPU build, 0.26 and 0.33 with
+file once per installed vLLM line (0.16 and 0.26 with the CPU builds, 0.33 and 0.34 with
 the scheduler-only installs); REQUIRE_VLLM=1 turns a missing vLLM into a failure.
 """
 
@@ -76,7 +76,12 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 def _drive(scheduler: Any, requests: list[Any], max_steps: int = 20) -> dict[str, str]:
     """Run the scheduler loop with a stand-in model output (one sampled token)."""
+    import dataclasses
+
     from vllm.v1.outputs import ModelRunnerOutput
+
+    # req_id_to_index went in 0.34 (the scheduler finds a request by its place in req_ids)
+    with_index = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 
     for request in requests:
         scheduler.add_request(request)
@@ -86,11 +91,8 @@ def _drive(scheduler: Any, requests: list[Any], max_steps: int = 20) -> dict[str
             break
         output = scheduler.schedule()
         ids = list(output.num_scheduled_tokens)
-        runner_output = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[[5] for _ in ids],
-        )
+        index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if with_index else {}
+        runner_output = ModelRunnerOutput(req_ids=ids, sampled_token_ids=[[5] for _ in ids], **index)
         for outputs in scheduler.update_from_output(output, runner_output).values():
             for out in outputs.outputs:
                 if out.finish_reason is not None:
@@ -203,14 +205,28 @@ def test_the_selected_facts_hold_for_the_installed_vllm() -> None:
     vllm_root = Path(vllm.__file__).parent.parent  # the module's file, found without importing it
     assert (vllm_root / (facts.model_runner_v2_module.replace(".", "/") + ".py")).is_file()
     # Read, not imported: the GPU runner and the model interfaces need no device to be read.
-    runner_source = (vllm_root / "vllm/v1/worker/gpu_model_runner.py").read_text()
-    assert ("self.positions = self._make_buffer(" in runner_source) == facts.runner_positions_buffer
+    v1_runner = vllm_root / "vllm/v1/worker/gpu_model_runner.py"
+    assert v1_runner.is_file() == facts.model_runner_v1
+    gpu_worker = (vllm_root / "vllm/v1/worker/gpu_worker.py").read_text()
+    assert ("vllm.v1.worker.gpu_model_runner" in gpu_worker) == facts.model_runner_v1
+    if facts.model_runner_v1:
+        runner_source = v1_runner.read_text()
+        assert ("self.positions = self._make_buffer(" in runner_source) == facts.runner_positions_buffer
+    else:
+        assert not facts.runner_positions_buffer
+        # vLLM now refuses the variable that asked for V1: the job must not set it
+        platforms = (vllm_root / "vllm/platforms/interface.py").read_text()
+        assert "VLLM_USE_V2_MODEL_RUNNER={value} is no longer supported" in platforms
     interfaces = (vllm_root / "vllm/model_executor/models/interfaces.py").read_text()
     assert ("class EagleModelMixin" in interfaces) == facts.eagle_model_mixin
-    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+    from vllm.v1.sample.ops import topk_topp_sampler
 
-    cpu_sampler = inspect.getsource(TopKTopPSampler.forward_cpu)
-    whole_batches_only = "len(generators) != logits.shape[0]" in cpu_sampler
+    if hasattr(topk_topp_sampler, "TopKTopPSampler"):  # Model Runner V1's sampler
+        cpu_sampler = inspect.getsource(topk_topp_sampler.TopKTopPSampler.forward_cpu)
+        whole_batches_only = "len(generators) != logits.shape[0]" in cpu_sampler
+    else:  # the CPU runner on Model Runner V2 (0.34) keeps a seed per request
+        cpu_sampler = (vllm_root / "vllm/v1/worker/cpu/sampler.py").read_text()
+        whole_batches_only = "self.seeds_np[req_idx] = seed" not in cpu_sampler
     assert whole_batches_only == facts.cpu_sampler_seeds_whole_batches_only
     if facts.kv_cache_setup == "utils_initialize_cache_rpc":
         assert hasattr(kv_cache_utils, "get_kv_cache_configs")
@@ -226,3 +242,34 @@ def test_the_selected_facts_hold_for_the_installed_vllm() -> None:
             inspect.signature(kv_cache_planning.get_kv_cache_configs).parameters
         )
         assert hasattr(Executor, "compile_or_warm_up_model") and hasattr(Executor, "set_kv_cache_layout")
+        extensible = facts.kv_cache_setup == "planning_extensible"
+        methods = ("extend_kv_cache", "extensible_kv_cache_unsupported_reason", "disable_extensible_kv_cache")
+        assert all(hasattr(Executor, m) for m in methods) == extensible
+        assert hasattr(kv_cache_planning, "finalize_extensible_kv_cache") == extensible
+
+
+def test_a_generating_run_asks_for_model_runner_v1_only_where_vllm_has_it(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Generation runs on V1 where the line has it (V2 hung at start-up on an H200, 0.26); 0.34
+    has only V2 and refuses VLLM_USE_V2_MODEL_RUNNER=0, so there the job must not set it."""
+    from adapters.engine import MODEL_RUNNER_V2_ENV
+
+    monkeypatch.delenv(MODEL_RUNNER_V2_ENV, raising=False)
+    engine_kwargs = {"model": str(model_dir), "tokenizer": str(model_dir), "max_model_len": 512}
+    try:
+        ADAPTERS.engine_config(engine_kwargs, {"mode": "hooks", "layer_ids": [1]}, generating=True)
+    except RuntimeError as exc:  # the CUDA wheels on a CPU box cannot infer a device, after the choice
+        assert "Device string must not be empty" in str(exc)
+    runner_v1 = ADAPTERS.facts.model_runner_v1
+    assert os.environ.get(MODEL_RUNNER_V2_ENV) == ("0" if runner_v1 else None)
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import Platform
+
+    if hasattr(Platform, "validate_environ"):  # vLLM's own check of its variables (0.33+)
+        monkeypatch.setenv(MODEL_RUNNER_V2_ENV, "0")
+        if runner_v1:
+            current_platform.validate_environ(True)
+        else:
+            with pytest.raises(ValueError, match="Model Runner V1 has been removed"):
+                current_platform.validate_environ(True)

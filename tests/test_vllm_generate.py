@@ -87,7 +87,11 @@ def test_greedy_turns_equal_the_hf_backends_and_so_do_their_hidden_states(
 ) -> None:
     path, cache = data
     base = [f"--data.path={path}", *COMMON, *GREEDY]
-    events = run([*base, f"--output.uri={tmp_path / 'vllm'}", *VLLM, "--backend.vllm.max_num_seqs=4"], cache)
+    every_item = "--log.progress_interval_s=0.001"  # a progress event per row chunk and completion
+    events = run(
+        [*base, f"--output.uri={tmp_path / 'vllm'}", *VLLM, "--backend.vllm.max_num_seqs=4", every_item],
+        cache,
+    )
     run([*base, f"--output.uri={tmp_path / 'hf'}", "--backend.name=hf"], cache)
     got, want = samples(tmp_path / "vllm" / "index-00000"), samples(tmp_path / "hf" / "index-00000")
     assert got.keys() == want.keys() and len(got) == 18
@@ -104,6 +108,11 @@ def test_greedy_turns_equal_the_hf_backends_and_so_do_their_hidden_states(
     stats = next(e for e in events if e["event"] == "vllm_extract_finished")
     turns = sum(len(line["turns"]) for line in sidecars(tmp_path / "hf" / "index-00000").values())
     assert stats["generation_requests"] == turns > 18  # every turn, multi-turn ones included
+    # As many conversations under way as the engine decodes at once (more would queue behind each
+    # other and all finish at the end), and samples extracted while others still generate.
+    assert next(e for e in events if e["event"] == "generation_configured")["max_active"] == 4
+    progress = [e for e in events if e["event"] == "progress"]
+    assert any(e["samples"] > 0 and e["generated_tokens"] < stats["generated_tokens"] for e in progress)
     # Where a step holds whole prompts (no chunked prefill), the last steps keep the full budget.
     whole_prompts = any(e["event"] == "whole_prompts_per_step" for e in events)
     ready = next(e for e in events if e["event"] == "vllm_ready")

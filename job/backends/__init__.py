@@ -65,9 +65,12 @@ class HiddenChunk:
 
 class Backend(ABC):
     name: str
-    # Requests it takes before it needs the output of one: what keeps it busy (with generation,
-    # the conversations worth having between their first turn and their last).
+    # Requests it takes before it needs the output of one: what keeps it busy.
     concurrent_requests: int = 1
+    # Conversations worth having between their first turn and their last: as many as it generates
+    # at once. More would wait in its queue, each turn behind every other conversation's, so all of
+    # them would finish together at the end and none could be extracted while others generate.
+    concurrent_generations: int = 1
 
     @property
     @abstractmethod

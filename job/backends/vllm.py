@@ -74,6 +74,7 @@ class VllmBackend(Backend):
         scheduler_config = self.vllm_config.scheduler_config
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.concurrent_requests = 2 * self.max_num_seqs  # extract() keeps this many admitted
+        self.concurrent_generations = self.max_num_seqs  # conversations under way: one decode batch
         self.token_budget = scheduler_config.max_num_batched_tokens
         # Without chunked prefill a step holds whole prompts: capping it below the longest would stall.
         self.final_step_tokens = (

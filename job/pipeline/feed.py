@@ -45,8 +45,13 @@ class ShardPlanner:
         if self._pending_bytes >= self.shard_bytes:
             yield self._emit()
 
+    @property
+    def open_samples(self) -> int:
+        """Samples of the shard being filled."""
+        return len(self._pending)
+
     def flush(self) -> Iterator[ShardPlan]:
-        """The last, partly filled shard (at the end of the input)."""
+        """The partly filled shard: at the end of the input, or early (see BackendFeed)."""
         if self._pending:
             yield self._emit()
 
@@ -61,7 +66,13 @@ class BackendFeed:
     """The backend's input stream; it ends early, leaving any partly planned shard unreserved,
     once ``stop`` is set. While staging is full, or while only generation is under way, it
     yields None ("nothing new yet") instead of blocking: the backend holds work that must go on
-    first. Counts what it planned, for progress."""
+    first. Counts what it planned, for progress.
+
+    With regeneration, once every conversation has started, a shard closes before it is full as
+    soon as it holds as many samples as there are conversations still under way: no conversation
+    will start any more, so waiting would leave its samples to be extracted after the last turn,
+    with nothing to generate beside them. Closing at half of what is left keeps such shards few:
+    about log2(conversations under way) of them."""
 
     def __init__(
         self,
@@ -86,7 +97,7 @@ class BackendFeed:
         regenerator = self._regenerator
         while not self._stop.is_set():
             if regenerator is not None:
-                yield from self._regenerated(regenerator)
+                yield from self._regenerated(regenerator, all_started=exhausted)
             if exhausted or (regenerator is not None and not regenerator.has_room):
                 if regenerator is None or not (
                     regenerator.active or regenerator.ready or regenerator.finished
@@ -108,7 +119,9 @@ class BackendFeed:
         for plan in self._planner.flush():
             yield from self._start(plan)
 
-    def _regenerated(self, regenerator: Regenerator) -> Iterator[BackendInput | GenerationInput | None]:
+    def _regenerated(
+        self, regenerator: Regenerator, all_started: bool
+    ) -> Iterator[BackendInput | GenerationInput | None]:
         """Turns ready to generate, then the samples regeneration finished."""
         while regenerator.ready:
             yield regenerator.ready.popleft()
@@ -119,6 +132,9 @@ class BackendFeed:
                 self._reject(item.sample_id, item.reason)
             else:
                 yield from self._plan(item)
+        if all_started and regenerator.active and self._planner.open_samples >= regenerator.active:
+            for plan in self._planner.flush():
+                yield from self._start(plan)
 
     def _plan(self, sample: EncodedSample) -> Iterator[BackendInput | None]:
         self.planned_tokens += sample.num_tokens

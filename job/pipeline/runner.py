@@ -243,11 +243,15 @@ class IndexRun:
 
     def _regenerator(self, backend: Backend) -> Regenerator | None:
         """generate.mode other than keep: the stage that has the backend write the turns first."""
-        regenerator = self.setup.regenerator(max_active=backend.concurrent_requests)
+        regenerator = self.setup.regenerator(max_active=backend.concurrent_generations)
         if regenerator is not None:
             sampling = regenerator.sampling
             self.log.info(
-                "generation_configured", mode=regenerator.mode, sources=sampling.sources, **sampling.record()
+                "generation_configured",
+                mode=regenerator.mode,
+                sources=sampling.sources,
+                max_active=regenerator.max_active,
+                **sampling.record(),
             )
         return regenerator
 
