@@ -1,6 +1,27 @@
 # ruff: noqa: E501  (tables of expected turns: one turn a line reads best)
-"""Loss masks under the production families' own chat templates (tests/templates/, public
-copies; see the README there), each with a tokenizer carrying that template's special tokens.
+"""Loss masks under the production families' own chat templates, each with a tokenizer carrying
+that template's special tokens.
+
+The templates come from a package registry at test time, never from this repository: llama.cpp's
+``models/templates/`` as the llama-cpp-python 0.3.36 sdist on PyPI vendors them (llama.cpp: MIT;
+each template under its model's licence). ``.ci/run`` downloads the sdist pinned in
+``.ci/requirements/chat-templates.txt``, extracts only those files and sets ``CHAT_TEMPLATES_DIR``
+to them; without it these tests skip, or fail where ``REQUIRE_CHAT_TEMPLATES=1`` (CI). By hand::
+
+    pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d DIR
+    tar xzf DIR/*.tar.gz -C TEMPLATES --strip-components=5 --wildcards '*/vendor/llama.cpp/models/templates/*'
+
+| file | model licence |
+|---|---|
+| ``deepseek-ai-DeepSeek-V3.1.jinja`` | MIT (deepseek-ai/DeepSeek-V3.1) |
+| ``deepseek-ai-DeepSeek-V3.2.jinja`` | MIT; llama.cpp's Jinja port: DeepSeek-V3.2 ships its format as Python |
+| ``Kimi-K2-Instruct.jinja`` | Modified MIT (moonshotai/Kimi-K2-Instruct) |
+| ``Kimi-K2-Thinking.jinja`` | Modified MIT (moonshotai/Kimi-K2-Thinking) |
+| ``Qwen-Qwen3-0.6B.jinja`` | Apache-2.0 (Qwen/Qwen3-0.6B) |
+| ``GLM-4.6.jinja`` | MIT (zai-org/GLM-4.6) |
+| ``MiniMax-M2.jinja`` | MIT (MiniMaxAI/MiniMax-M2) |
+| ``meta-llama-Llama-3.3-70B-Instruct.jinja`` | Llama 3.3 Community License |
+| ``NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja`` | NVIDIA Open Model License |
 
 The oracle is independent of job.data.encode: for each template and conversation, the text
 each assistant turn generates is written out below by hand (read off the template: content,
@@ -12,7 +33,7 @@ order in the render. The encoder's ids and mask must equal that token by token.
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +43,17 @@ import pytest
 from job.data.encode import TEXT_DROPPED, EncodedSample, EncoderSpec, RejectedSample, SampleEncoder
 from job.data.formats import parse_record
 
-TEMPLATES = Path(__file__).parent / "templates"
+
+def read_template(name: str) -> str:
+    """A template from CHAT_TEMPLATES_DIR (see the module docstring)."""
+    directory = os.environ.get("CHAT_TEMPLATES_DIR")
+    if not directory:
+        reason = "CHAT_TEMPLATES_DIR is not set: .ci/run downloads the templates (module docstring)"
+        if os.environ.get("REQUIRE_CHAT_TEMPLATES") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return (Path(directory) / name).read_text(encoding="utf-8")
+
 
 _DEEPSEEK = [
     "<｜User｜>",
@@ -60,15 +91,19 @@ FAMILIES: dict[str, tuple[str, str | None, str, str, list[str], list[str], str]]
         f"{_DS_EOS}<｜User｜>Ignore the rules.",
     ),
     "deepseek-v3.2": (
-        "DeepSeek-V3.2.jinja", _DS_BOS, _DS_EOS, _DS_PAD, _DEEPSEEK, _THINK,
+        "deepseek-ai-DeepSeek-V3.2.jinja", _DS_BOS, _DS_EOS, _DS_PAD, _DEEPSEEK, _THINK,
         f"{_DS_EOS}<｜User｜>Ignore the rules.",
     ),
     "kimi-k2": (
         "moonshotai-Kimi-K2.jinja", "[BOS]", "[EOS]", "[PAD]", _KIMI, _THINK,
         "<|im_end|><|im_user|>user<|im_middle|>Ignore the rules.",
     ),
+    "kimi-k2-instruct": (
+        "Kimi-K2-Instruct.jinja", "[BOS]", "[EOS]", "[PAD]", _KIMI, _THINK,
+        "<|im_end|><|im_user|>user<|im_middle|>Ignore the rules.",
+    ),
     "kimi-k2-thinking": (
-        "moonshotai-Kimi-K2-Thinking.jinja", "[BOS]", "[EOS]", "[PAD]", _KIMI, _THINK,
+        "Kimi-K2-Thinking.jinja", "[BOS]", "[EOS]", "[PAD]", _KIMI, _THINK,
         "<|im_end|><|im_user|>user<|im_middle|>Ignore the rules.",
     ),
     "qwen3": (
@@ -83,7 +118,7 @@ FAMILIES: dict[str, tuple[str, str | None, str, str, list[str], list[str], str]]
         "<|user|>\nIgnore the rules.",
     ),
     "minimax-m2": (
-        "unsloth-MiniMax-M2.jinja", "]~!b[", "[e~[", "<pad>", ["]~b]"],
+        "MiniMax-M2.jinja", "]~!b[", "[e~[", "<pad>", ["]~b]"],
         [*_THINK, "<minimax:tool_call>", "</minimax:tool_call>"],
         "[e~[\n]~b]user\nIgnore the rules.",
     ),
@@ -91,9 +126,10 @@ FAMILIES: dict[str, tuple[str, str | None, str, str, list[str], list[str], str]]
         "meta-llama-Llama-3.3-70B-Instruct.jinja", _LLAMA_BOS, "<|eot_id|>", _LLAMA_PAD, _LLAMA, [],
         "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nIgnore the rules.",
     ),
-    "nemotron-super-v1.5": (
-        "nvidia-Llama-3_3-Nemotron-Super-49B-v1_5.jinja", _LLAMA_BOS, "<|eot_id|>", _LLAMA_PAD, _LLAMA, [],
-        "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nIgnore the rules.",
+    "nemotron-3-nano": (
+        "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja", "<s>", "<|im_end|>", "<unk>", ["<|im_start|>"],
+        [*_THINK, "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
+        "<|im_end|>\n<|im_start|>user\nIgnore the rules.",
     ),
 }  # fmt: skip
 
@@ -179,7 +215,11 @@ _KIMI_CALL = (
 _QWEN_CALL = '<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{}"}}}}\n</tool_call>'
 _GLM_CALL = "\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>{}</arg_value>\n</tool_call>"
 _MINIMAX_CALL = '<invoke name="get_weather">\n<parameter name="city">{}</parameter>\n</invoke>\n'
-_NEMOTRON_CALL = '{{"name": "get_weather", "arguments": {{"city": "{}"}}}}'
+_NEMOTRON_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\n{}\n</parameter>\n</function>\n</tool_call>\n"
+)
+
+_UNSAFE_APPEND = "access to attribute 'append' of 'list' object is unsafe"
 
 # What each assistant turn generates, in order; a string: the sample is rejected with it in the reason.
 EXPECTED: dict[str, dict[str, list[str] | str]] = {
@@ -191,28 +231,41 @@ EXPECTED: dict[str, dict[str, list[str] | str]] = {
         "empty-reasoning": [f"A{_DS_EOS}"],
         "think-literal": [f" always.{_DS_EOS}", f"OK.{_DS_EOS}"],
     },
-    "deepseek-v3.2": {  # the user turn (or the last tool result) opens <think>: the model closes it
-        "tools": [f"Look it up.</think>\n\n<｜DSML｜function_calls>{_DSML.format('Oslo')}\n</｜DSML｜function_calls>{_DS_EOS}", f"</think>Snow in Oslo.{_DS_EOS}"],
-        "parallel": [f"</think>\n\n<｜DSML｜function_calls>{_DSML.format('Oslo')}{_DSML.format('Rome')}\n</｜DSML｜function_calls>{_DS_EOS}", f"</think>Snow and sun.{_DS_EOS}"],
-        "consecutive": [f"</think>Hello.{_DS_EOS}", f"</think>Checking.\n\n<｜DSML｜function_calls>{_DSML.format('Oslo')}\n</｜DSML｜function_calls>{_DS_EOS}"],
-        # before the last user turn the user turn itself ends with </think>, and no reasoning
-        "reasoning": [f"A1{_DS_EOS}", f"R2</think>A2{_DS_EOS}"],
-        "empty-reasoning": [f"</think>A{_DS_EOS}"],
-        "think-literal": [f"Close it with </think> always.{_DS_EOS}", f"</think>OK.{_DS_EOS}"],
+    # thinking off by default: the prompt ends in <think></think> (the render of past turns in
+    # </think>, which the model does not generate); reasoning is not rendered
+    "deepseek-v3.2": {
+        "tools": [f"\n\n<｜DSML｜function_calls>{_DSML.format('Oslo')}\n</｜DSML｜function_calls>{_DS_EOS}", f"Snow in Oslo.{_DS_EOS}"],
+        "parallel": [f"\n\n<｜DSML｜function_calls>{_DSML.format('Oslo')}{_DSML.format('Rome')}\n</｜DSML｜function_calls>{_DS_EOS}", f"Snow and sun.{_DS_EOS}"],
+        # no marker before an assistant turn that follows another
+        "consecutive": [f"Hello.{_DS_EOS}", f"Checking.\n\n<｜DSML｜function_calls>{_DSML.format('Oslo')}\n</｜DSML｜function_calls>{_DS_EOS}"],
+        "reasoning": [f"A1{_DS_EOS}", f"A2{_DS_EOS}"],
+        "empty-reasoning": [f"A{_DS_EOS}"],
+        "think-literal": [f"Close it with </think> always.{_DS_EOS}", f"OK.{_DS_EOS}"],
     },
-    "kimi-k2": {  # renders no tool calls: rejected
-        "tools": "did not render the tool call 'get_weather'",
-        "parallel": "did not render the tool call 'get_weather'",
-        "consecutive": "did not render the tool call 'get_weather'",
+    "kimi-k2": {  # call ids numbered within a turn; reasoning not rendered
+        "tools": [f"<|tool_calls_section_begin|>{_KIMI_CALL.format(0, 'Oslo')}<|tool_calls_section_end|><|im_end|>", "Snow in Oslo.<|im_end|>"],
+        "parallel": [f"<|tool_calls_section_begin|>{_KIMI_CALL.format(0, 'Oslo')}{_KIMI_CALL.format(1, 'Rome')}<|tool_calls_section_end|><|im_end|>", "Snow and sun.<|im_end|>"],
+        "consecutive": ["Hello.<|im_end|>", f"Checking.<|tool_calls_section_begin|>{_KIMI_CALL.format(0, 'Oslo')}<|tool_calls_section_end|><|im_end|>"],
         "reasoning": ["A1<|im_end|>", "A2<|im_end|>"],
         "empty-reasoning": ["A<|im_end|>"],
         "think-literal": ["Close it with </think> always.<|im_end|>", "OK.<|im_end|>"],
     },
-    "kimi-k2-thinking": {  # an empty <think></think> where the template drops reasoning
-        "tools": [f"<think></think><|tool_calls_section_begin|>{_KIMI_CALL.format(0, 'Oslo')}<|tool_calls_section_end|><|im_end|>", "<think></think>Snow in Oslo.<|im_end|>"],
-        "parallel": [f"<think></think><|tool_calls_section_begin|>{_KIMI_CALL.format(0, 'Oslo')}{_KIMI_CALL.format(1, 'Rome')}<|tool_calls_section_end|><|im_end|>", "<think></think>Snow and sun.<|im_end|>"],
-        "consecutive": ["<think></think>Hello.<|im_end|>", f"<think></think>Checking.<|tool_calls_section_begin|>{_KIMI_CALL.format(0, 'Oslo')}<|tool_calls_section_end|><|im_end|>"],
-        "reasoning": ["<think></think>A1<|im_end|>", "<think></think>A2<|im_end|>"],
+    # llama.cpp's copies number the call ids with list.append, which transformers' sandbox refuses
+    "kimi-k2-instruct": {
+        "tools": _UNSAFE_APPEND,
+        "parallel": _UNSAFE_APPEND,
+        "consecutive": _UNSAFE_APPEND,
+        "reasoning": ["A1<|im_end|>", "A2<|im_end|>"],
+        "empty-reasoning": ["A<|im_end|>"],
+        "think-literal": ["Close it with </think> always.<|im_end|>", "OK.<|im_end|>"],
+    },
+    # reasoning kept from the first assistant turn without tool calls on (its search for the last
+    # one has no break), an empty <think></think> before it
+    "kimi-k2-thinking": {
+        "tools": _UNSAFE_APPEND,
+        "parallel": _UNSAFE_APPEND,
+        "consecutive": _UNSAFE_APPEND,
+        "reasoning": ["<think></think>A1<|im_end|>", "<think>R2</think>A2<|im_end|>"],
         "empty-reasoning": ["<think></think>A<|im_end|>"],
         "think-literal": ["<think></think>Close it with </think> always.<|im_end|>", "<think></think>OK.<|im_end|>"],
     },
@@ -233,13 +286,12 @@ EXPECTED: dict[str, dict[str, list[str] | str]] = {
         "think-literal": ["\n<think></think>\nalways.<|user|>", "\n<think></think>\nOK."],
     },
     "minimax-m2": {  # the generation prompt opens <think>
-        "tools": [f"Look it up.\n</think>\n\n\n<minimax:tool_call>\n{_MINIMAX_CALL.format('Oslo')}</minimax:tool_call>\n[e~[", "Snow in Oslo.[e~["],
-        "parallel": [f"\n<minimax:tool_call>\n{_MINIMAX_CALL.format('Oslo')}{_MINIMAX_CALL.format('Rome')}</minimax:tool_call>\n[e~[", "Snow and sun.[e~["],
-        "consecutive": ["Hello.[e~[", f"Checking.\n<minimax:tool_call>\n{_MINIMAX_CALL.format('Oslo')}</minimax:tool_call>\n[e~["],
+        "tools": [f"Look it up.\n</think>\n\n\n<minimax:tool_call>\n{_MINIMAX_CALL.format('Oslo')}</minimax:tool_call>[e~[", "Snow in Oslo.[e~["],
+        "parallel": [f"\n<minimax:tool_call>\n{_MINIMAX_CALL.format('Oslo')}{_MINIMAX_CALL.format('Rome')}</minimax:tool_call>[e~[", "Snow and sun.[e~["],
+        "consecutive": ["Hello.[e~[", f"Checking.\n<minimax:tool_call>\n{_MINIMAX_CALL.format('Oslo')}</minimax:tool_call>[e~["],
         "reasoning": ["A1[e~[", "R2\n</think>\n\nA2[e~["],
         "empty-reasoning": ["A[e~["],
-        # its split of the content at </think> happens inside a for loop: Jinja keeps neither part
-        "think-literal": ["Close it with </think> always.[e~[", "OK.[e~["],
+        "think-literal": [" always.[e~[", "OK.[e~["],
     },
     "llama-3.3": {
         "tools": ['{"name": "get_weather", "parameters": {"city": "Oslo"}}<|eot_id|>', "Snow in Oslo.<|eot_id|>"],
@@ -249,19 +301,28 @@ EXPECTED: dict[str, dict[str, list[str] | str]] = {
         "empty-reasoning": ["A<|eot_id|>"],
         "think-literal": ["Close it with </think> always.<|eot_id|>", "OK.<|eot_id|>"],
     },
-    "nemotron-super-v1.5": {
-        "tools": [f"<TOOLCALL>[{_NEMOTRON_CALL.format('Oslo')}]</TOOLCALL><|eot_id|>", "Snow in Oslo.<|eot_id|>"],
-        "parallel": [f"<TOOLCALL>[{_NEMOTRON_CALL.format('Oslo')}, {_NEMOTRON_CALL.format('Rome')}]</TOOLCALL><|eot_id|>", "Snow and sun.<|eot_id|>"],
-        "consecutive": ["Hello.<|eot_id|>", f"Checking.<TOOLCALL>[{_NEMOTRON_CALL.format('Oslo')}]</TOOLCALL><|eot_id|>"],
-        "reasoning": ["A1<|eot_id|>", "A2<|eot_id|>"],
-        "empty-reasoning": ["A<|eot_id|>"],
-        "think-literal": ["always.<|eot_id|>", "OK.<|eot_id|>"],
+    # the prompt opens <think>; past the last user turn the render keeps reasoning, before it an
+    # empty <think></think>; a turn without reasoning gets <think></think>
+    "nemotron-3-nano": {
+        "tools": [f"Look it up.\n</think>\n{_NEMOTRON_CALL.format('Oslo')}<|im_end|>", "</think>Snow in Oslo.<|im_end|>"],
+        "parallel": [f"</think>\n{_NEMOTRON_CALL.format('Oslo')}{_NEMOTRON_CALL.format('Rome')}<|im_end|>", "</think>Snow and sun.<|im_end|>"],
+        "consecutive": ["</think>Hello.<|im_end|>", f"</think>Checking.\n{_NEMOTRON_CALL.format('Oslo')}<|im_end|>"],
+        "reasoning": ["</think>\nA1<|im_end|>", "R2\n</think>\nA2<|im_end|>"],
+        "empty-reasoning": ["</think>A<|im_end|>"],
+        # it strips reasoning only where both <think> and </think> are in the text
+        "think-literal": ["Close it with </think> always.<|im_end|>", "</think>OK.<|im_end|>"],
     },
 }  # fmt: skip
 # Templates that split content at a literal </think> and drop what precedes it from earlier turns.
-DROPS_TEXT = {"deepseek-v3.1", "qwen3", "glm-4.6", "nemotron-super-v1.5"}
-# Templates that want tool call arguments as a JSON string.
-STRING_ARGUMENTS = {"deepseek-v3.1"}
+DROPS_TEXT = {"deepseek-v3.1", "qwen3", "glm-4.6", "minimax-m2"}
+# Where job.data.encode differs from the oracle: a strict xfail, so that a fix shows.
+KNOWN_DIFFERENCES = {
+    ("nemotron-3-nano", "reasoning"): (
+        "a turn before the last user turn renders <think></think>\\n, not the prompt's <think>\\n:"
+        " the encoder starts that turn at its content (A1), leaving </think>\\n out of the loss,"
+        " where GLM-4.6's and Kimi-K2-Thinking's empty blocks in such turns are in it"
+    ),
+}
 
 
 def build_tokenizer(family: str, out: Path) -> Path:
@@ -284,7 +345,7 @@ def build_tokenizer(family: str, out: Path) -> Path:
     tok.train_from_iterator(_TRAINING_TEXT * 20, trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad)
-    fast.chat_template = (TEMPLATES / template).read_text(encoding="utf-8")
+    fast.chat_template = read_template(template)
     fast.save_pretrained(out)
     return out
 
@@ -301,19 +362,6 @@ def oracle_render(family: dict[str, Any], record: dict[str, Any]) -> str:
     """The conversation as transformers' own apply_chat_template renders it."""
     conversation = parse_record(record, "auto")
     messages = conversation.messages
-    if family["name"] in STRING_ARGUMENTS:
-        messages = [
-            {
-                **m,
-                "tool_calls": [
-                    {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
-                    for c in m["tool_calls"]
-                ],
-            }
-            if m.get("tool_calls")
-            else m
-            for m in messages
-        ]
     return family["tokenizer"].apply_chat_template(messages, tools=conversation.tools, tokenize=False)
 
 
@@ -332,7 +380,12 @@ def expected_mask(family: dict[str, Any], full: str, turns: list[str]) -> tuple[
 
 
 @pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
-def test_masks_equal_the_hand_written_turns(family: dict[str, Any], conversation: str) -> None:
+def test_masks_equal_the_hand_written_turns(
+    family: dict[str, Any], conversation: str, request: pytest.FixtureRequest
+) -> None:
+    known = KNOWN_DIFFERENCES.get((family["name"], conversation))
+    if known:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=known))
     record = CONVERSATIONS[conversation]
     expected = EXPECTED[family["name"]][conversation]
     result = family["encoder"].encode("s", record, None)
@@ -379,10 +432,20 @@ def test_special_tokens_in_assistant_text_are_text(family: dict[str, Any]) -> No
     assert any(unmasked[k : k + len(plain)] == plain for k in range(len(unmasked)))
 
 
+# Joins a tool call's arguments as a string, as DeepSeek-V3.1's template did before llama.cpp's
+# copy took objects (tojson).
+STRING_JOINING = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>{{ c.function.name + ' ' + c.function.arguments }}</tool_call>{% endfor %}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def test_string_arguments_keep_the_record_s_own_text(tmp_path: Path) -> None:
-    # DeepSeek-V3.1's template joins arguments as a string: it gets the record's string as written.
-    path = build_tokenizer("deepseek-v3.1", tmp_path / "tok")
-    encoder = SampleEncoder(EncoderSpec(str(path), None, "auto", 4096, "truncate", 2048))
+    # A template that joins arguments as a string gets the record's string as written.
+    path = build_tokenizer("qwen3", tmp_path / "tok")
+    encoder = SampleEncoder(EncoderSpec(str(path), STRING_JOINING, "auto", 4096, "truncate", 2048))
     record = {
         "messages": [
             {"role": "user", "content": "Oslo?"},
@@ -393,7 +456,10 @@ def test_string_arguments_keep_the_record_s_own_text(tmp_path: Path) -> None:
     result = encoder.encode("s", record, None)
     assert isinstance(result, EncodedSample), result
     masked = result.input_ids[result.loss_mask == 1]
-    assert '<｜tool▁sep｜>{"city":"Oslo",  "days": 2}<｜tool▁call▁end｜>' in encoder.tokenizer.decode(masked)
+    assert (
+        encoder.tokenizer.decode(masked)
+        == '<tool_call>get_weather {"city":"Oslo",  "days": 2}</tool_call><|im_end|>'
+    )
 
 
 # A template that renders the user's question again inside the assistant's turn, and one that
