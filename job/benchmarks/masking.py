@@ -1,6 +1,6 @@
 """Samples per second of tokenizing and masking agentic conversations (CPU, one process).
 
-``python -m job.benchmarks.masking --template tests/templates/Qwen-Qwen3-0.6B.jinja`` generates
+``python -m job.benchmarks.masking --template $CHAT_TEMPLATES_DIR/Qwen-Qwen3-0.6B.jinja`` generates
 ``--records`` conversations (a system prompt, two user questions, each answered after one to
 three rounds of reasoning and one or two tool calls (``--most-calls``) with their results: 9 to
 23 messages), encodes them with ``job.data.encode.SampleEncoder`` as a data worker does, and
