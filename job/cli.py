@@ -85,11 +85,18 @@ def _parser() -> argparse.ArgumentParser:
         "export",
         help=COMMANDS["export"],
         description=COMMANDS["export"],
-        usage="python -m job export --format speculators SRC DST [--verify] [--allow-incomplete]",
+        usage="python -m job export --format speculators [--hidden-states copy|reference] SRC DST "
+        "[--verify] [--allow-incomplete]",
     )
     export.add_argument("path", metavar="SRC", help="an output directory, one index-* or s3://...")
     export.add_argument("dest", metavar="DST", help="a new or empty directory")
     export.add_argument("--format", dest="fmt", required=True, help="the target layout: speculators")
+    export.add_argument(
+        "--hidden-states",
+        default="copy",
+        help="copy (default): a file per row with its hidden states; reference: none, the "
+        "eagle3-extract speculators backend reads them from SRC's shards (python -m job.speculators)",
+    )
     export.add_argument(
         "--verify", action="store_true", help="recompute local shards' checksums (s3: always)"
     )
@@ -141,7 +148,10 @@ def _dispatch(argv: list[str]) -> int:
         if args.command == "export":
             from job.export import export
 
-            print(export(args.fmt, args.path, args.dest, args.allow_incomplete, args.verify).describe())
+            summary = export(
+                args.fmt, args.path, args.dest, args.allow_incomplete, args.verify, args.hidden_states
+            )
+            print(summary.describe())
             return EXIT_OK
         for value in _stray_positionals(overrides):
             raise ConfigError(f"unexpected argument {value!r}; settings are given as --section.key=value")

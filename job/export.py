@@ -1,4 +1,5 @@
-"""``python -m job export --format speculators SRC DST``: our shards as speculators' training data.
+"""``python -m job export --format speculators [--hidden-states copy|reference] SRC DST``: our
+shards as speculators' training data.
 
 speculators (>= 0.5; read against 0.9.0, whose trainer loads data with
 ``speculators.train.data.ArrowDataset``) trains from one directory holding
@@ -6,26 +7,32 @@ speculators (>= 0.5; read against 0.9.0, whose trainer loads data with
 * an HF ``datasets`` dataset (``save_to_disk``, torch format), one row per sample:
   ``input_ids`` and ``loss_mask`` (int64 [T]) and ``seq_len`` (0.9 packs batches by
   it). We add ``sample_id``, so every row traces back to our shards;
-* ``hidden_states/hs_{row}.safetensors``: ``hidden_states`` [T, L, H] and ``token_ids``
-  int64 [T]. The trainer takes ``hidden_states[:, :-1]`` as the auxiliary layers and
-  ``hidden_states[:, -1]`` as the verifier's last hidden state, and drops a row whose
-  ``token_ids`` differ from its ``input_ids``;
+* with ``--hidden-states copy`` (the default), ``hidden_states/hs_{row}.safetensors``:
+  ``hidden_states`` [T, L, H] and ``token_ids`` int64 [T]. The trainer takes
+  ``hidden_states[:, :-1]`` as the auxiliary layers and ``hidden_states[:, -1]`` as the
+  verifier's last hidden state, and drops a row whose ``token_ids`` differ from its
+  ``input_ids``. With ``--hidden-states reference`` there are no such files: the
+  ``eagle3-extract`` hidden-states backend (``job.speculators``) reads each row's states
+  from our shards when the trainer asks for them;
 * ``token_freq.pt``: {token id: count among assistant tokens}, from which
   ``--draft-vocab-size`` builds the draft vocabulary.
 
 Beside them ``eagle3_extract.json`` records the layer ids in both numberings, that the
-last layer is pre-norm, the model and the manifests the rows came from. It is written
-last: an export without it is unfinished.
+last layer is pre-norm, the model and the manifests the rows came from, with each
+shard's row range: row r of a shard whose range is [a, b) is its sample r - a (the map
+the reference backend reads by). It is written last: an export without it is unfinished.
 
 Only shards that a manifest lists are read, through a ``ShardSource`` (job.storage); only one
-sample's hidden states are in memory at a time. FP8 shards are decoded to the model
-dtype, which is what speculators' default (file) hidden-states backend reads.
+sample's hidden states are in memory at a time (a reference export reads none). FP8 shards
+are decoded to the model dtype, which is what speculators' default (file) hidden-states
+backend reads.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import sys
 from collections import Counter
@@ -47,10 +54,14 @@ from job.manifest import Manifest, ShardEntry
 from job.model import LAYER_CONVENTION, LAYER_CONVENTION_TEXT
 from job.shards import Shard
 from job.shards.format import read_metadata
-from job.storage import open_shard_source
+from job.storage import open_shard_source, uri_scheme
 from job.storage.base import ShardSource
 
 FORMATS = ("speculators",)
+# copy: every row's hidden states as a file of its own (speculators' `file` backend reads them);
+# reference: none, the `eagle3-extract` backend reads them from the shards.
+HIDDEN_STATES_MODES = ("copy", "reference")
+BACKEND_NAME = "eagle3-extract"  # the speculators hidden-states backend job.speculators registers
 METADATA = "eagle3_extract.json"
 HIDDEN_STATES_DIR = "hidden_states"
 TOKEN_FREQ = "token_freq.pt"
@@ -87,6 +98,12 @@ class LayerOrder:
     def reordered(self) -> bool:
         return self.order != list(range(len(self.stored)))
 
+    def reorder(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """A sample's [T, L, H] states as stored, in export order (layer N last), contiguous."""
+        if self.reordered:
+            return hidden_states.index_select(1, torch.tensor(self.order))
+        return hidden_states.contiguous()
+
 
 def order_layers(layer_ids: list[int], num_layers: int) -> LayerOrder:
     """Move layer N to the end (auxiliary layers keep their order), or refuse without it.
@@ -122,18 +139,35 @@ class ExportSummary:
     layers: LayerOrder
     hidden_dtype: str
     model_path: str
+    hidden_states: str  # one of HIDDEN_STATES_MODES
+
+    def train_command(self) -> list[str]:
+        """The command that trains on this export, as speculators' parser takes it: the
+        verifier, the data and the auxiliary layer ids (anything else keeps speculators' defaults)."""
+        args = [
+            "train",
+            "--verifier-name-or-path",
+            self.model_path,
+            "--data-path",
+            str(self.dest),
+            "--target-layer-ids",
+            *map(str, self.layers.aux),
+        ]
+        if self.hidden_states == "reference":
+            return ["python", "-m", "job.speculators", *args, "--hidden-states-backend", BACKEND_NAME]
+        return ["speculators", *args]
 
     def describe(self) -> str:
         layers = self.layers
         note = f" (reordered from stored {layers.stored})" if layers.reordered else ""
+        where = "in the shards (read by reference)" if self.hidden_states == "reference" else "copied"
         return "\n".join(
             [
                 f"exported         {self.rows} samples, {self.tokens} tokens "
                 f"({self.assistant_tokens} assistant) to {self.dest}",
-                f"hidden states    layers {layers.exported}{note}, {self.hidden_dtype}, last = verifier "
-                f"(layer {layers.num_layers}, before the final norm)",
-                f"train with       speculators train --verifier-name-or-path {self.model_path} "
-                f"--data-path {self.dest} --target-layer-ids {' '.join(map(str, layers.aux))} ...",
+                f"hidden states    {where}: layers {layers.exported}{note}, {self.hidden_dtype}, "
+                f"last = verifier (layer {layers.num_layers}, before the final norm)",
+                f"train with       {shlex.join(self.train_command())}",
                 *(
                     [f"note             {self.rows_without_assistant_tokens} rows have no assistant tokens"]
                     if self.rows_without_assistant_tokens
@@ -144,14 +178,27 @@ class ExportSummary:
 
 
 def export(
-    fmt: str, src: str, dest: str, allow_incomplete: bool = False, verify: bool = False
+    fmt: str,
+    src: str,
+    dest: str,
+    allow_incomplete: bool = False,
+    verify: bool = False,
+    hidden_states: str = "copy",
 ) -> ExportSummary:
     if fmt not in FORMATS:
         raise ConfigError(f"export --format {fmt!r}: unknown; choose one of {', '.join(FORMATS)}")
-    return export_speculators(open_shard_source(src, "export SRC", verify), Path(dest), allow_incomplete)
+    if hidden_states not in HIDDEN_STATES_MODES:
+        raise ConfigError(
+            f"export --hidden-states {hidden_states!r}: unknown; choose {' or '.join(HIDDEN_STATES_MODES)}"
+        )
+    source = open_shard_source(src, "export SRC", verify)
+    return export_speculators(source, Path(dest), allow_incomplete, hidden_states)
 
 
-def export_speculators(source: ShardSource, dest: Path, allow_incomplete: bool = False) -> ExportSummary:
+def export_speculators(
+    source: ShardSource, dest: Path, allow_incomplete: bool = False, hidden_states: str = "copy"
+) -> ExportSummary:
+    """Write the export; with ``hidden_states="reference"`` no hidden state is read or written."""
     datasets = _import_datasets()
     indexes = _usable_indexes(source, allow_incomplete)
     reference = indexes[0].manifest
@@ -160,11 +207,13 @@ def export_speculators(source: ShardSource, dest: Path, allow_incomplete: bool =
     num_layers = int(first_shard["num_model_layers"])
     hidden_dtype = first_shard["model_dtype"]
     layers = order_layers(reference.identity.layer_ids, num_layers)
-    order = torch.tensor(layers.order)
+    reorder = layers.reorder
 
+    copy = hidden_states == "copy"
     _claim_dest(dest)
     hidden_dir = dest / HIDDEN_STATES_DIR
-    hidden_dir.mkdir()
+    if copy:
+        hidden_dir.mkdir()
     staging = dest / ".staging"  # not dest itself: datasets refuses to save a dataset over its own files
     staging.mkdir()
     rows_file = staging / "rows.arrow"
@@ -181,19 +230,16 @@ def export_speculators(source: ShardSource, dest: Path, allow_incomplete: bool =
             with source.fetch(index_name, entry) as path:
                 shard = Shard(path)
                 _check_shard(shard, entry, layers, index_name)
-                for sample in shard:
-                    ids = sample.input_ids.long()
-                    mask = sample.loss_mask.long()
-                    states = sample.hidden_states
-                    if layers.reordered:
-                        states = states.index_select(1, order)
-                    save_file(
-                        {"hidden_states": states.contiguous(), "token_ids": ids},
-                        str(hidden_dir / f"hs_{row}.safetensors"),
-                    )
+                for position, sample_id in enumerate(shard.sample_ids):
+                    input_ids, loss_mask = shard.tokens(position)
+                    ids, mask = input_ids.long(), loss_mask.long()
+                    if copy:
+                        states = reorder(shard.sample(position).hidden_states)
+                        hs_file = hidden_dir / f"hs_{row}.safetensors"
+                        save_file({"hidden_states": states, "token_ids": ids}, str(hs_file))
                     targets = ids[mask.bool()]
                     token_freq.update(targets.tolist())
-                    batch.add(ids, mask, sample.sample_id)
+                    batch.add(ids, mask, sample_id)
                     if len(batch) == _ROWS_PER_BATCH:
                         writer.write_batch(batch.take())
                     row += 1
@@ -214,9 +260,9 @@ def export_speculators(source: ShardSource, dest: Path, allow_incomplete: bool =
     torch.save(dict(token_freq), dest / TOKEN_FREQ)
 
     summary = ExportSummary(
-        dest, row, tokens, assistant, unsupervised, layers, hidden_dtype, reference.model_path
+        dest, row, tokens, assistant, unsupervised, layers, hidden_dtype, reference.model_path, hidden_states
     )
-    _write_metadata(summary, reference, indexes, row_ranges, source.location)
+    _write_metadata(summary, reference, indexes, row_ranges, _absolute(source.location))
     return summary
 
 
@@ -346,6 +392,11 @@ def _claim_dest(dest: Path) -> None:
         raise ConfigError(f"export DST {dest}: cannot create it: {exc.strerror}") from None
 
 
+def _absolute(location: str) -> str:
+    """A local source as an absolute path: a reference export is read from wherever training runs."""
+    return location if uri_scheme(location) else str(Path(location).resolve())
+
+
 def _legacy_ids(ids: list[int]) -> list[int | None]:
     return [k - 1 if k > 0 else None for k in ids]
 
@@ -362,10 +413,16 @@ def _write_metadata(
         tool_version = version("eagle3-extract")
     except PackageNotFoundError:
         tool_version = "unknown"
+    reference = summary.hidden_states == "reference"
+    files = (
+        f"hidden states read from the shards of source.location by the speculators backend {BACKEND_NAME}"
+        if reference
+        else f"{HIDDEN_STATES_DIR}/hs_{{row}}.safetensors (hidden_states [T, L, H], token_ids [T])"
+    )
     metadata = {
         "format": "speculators",
         "layout": "HF datasets save_to_disk (input_ids, loss_mask, seq_len, sample_id) + "
-        f"{HIDDEN_STATES_DIR}/hs_{{row}}.safetensors (hidden_states [T, L, H], token_ids [T]) + {TOKEN_FREQ}",
+        f"{files} + {TOKEN_FREQ}",
         "speculators_min_version": "0.5.0",
         "speculators_verified_version": SPECULATORS_VERIFIED,
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -382,15 +439,17 @@ def _write_metadata(
             "hidden_size": manifest.hidden_size,
         },
         "hidden_states": {
+            "mode": summary.hidden_states,
             "dtype": summary.hidden_dtype,
             "source_storage": manifest.identity.storage,
             "note": "FP8 shards are decoded to the model dtype (value = fp8 * per-token-per-layer scale)"
             if hidden_dtype(manifest.identity.storage).scaled
-            else "copied unchanged from the shards",
+            else "unchanged from the shards",
         },
         "layers": {
             "exported": layers.exported,
             "stored": layers.stored,
+            "order": layers.order,
             "reordered": layers.reordered,
             "ours": {"convention": LAYER_CONVENTION, "meaning": LAYER_CONVENTION_TEXT},
             "speculators": {
@@ -424,6 +483,7 @@ def _write_metadata(
                     "shards": [
                         {
                             "name": entry.name,
+                            "bytes": entry.bytes,
                             "checksum": entry.checksum.model_dump(),
                             "rows": row_ranges[(index.name, entry.name)],
                         }

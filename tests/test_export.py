@@ -6,6 +6,12 @@ speculators' training dataset and collate function (``ArrowDataset``, ``CollateF
 with ``shift_batch``, exactly as ``speculators train`` wires them) and through its
 ``create_train_val_loaders``, and compared with what our reader returns.
 
+A reference export (``--hidden-states reference``) is read through the same speculators
+code with our ``eagle3-extract`` hidden-states backend (``job.speculators``) and must give
+exactly the full export's items, batches and training losses. The command line each export
+prints is parsed by speculators' own argument parser and run for a few training steps on
+the CPU (``tests/speculators_cpu.py`` replaces only the trainer's CUDA device choice).
+
 speculators is installed without its dependencies (they would replace torch and
 transformers): ``pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0``
 plus ``datasets`` and ``openai``, which its data modules import.
@@ -13,10 +19,15 @@ plus ``datasets`` and ``openai``, which its data modules import.
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import itertools
 import json
 import os
+import shlex
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -44,6 +55,15 @@ def export(src: Path | str, dest: Path, *extra: str) -> int:
     return main(["export", "--format", "speculators", str(src), str(dest), *extra])
 
 
+def export_printing(src: Path | str, dest: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
+    """Export and return the ``train with`` command it printed."""
+    capsys.readouterr()
+    assert export(src, dest, *extra) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train with")]
+    assert len(lines) == 1
+    return lines[0].removeprefix("train with").strip()
+
+
 @pytest.fixture(scope="module")
 def two_indexes(inprocess_env: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Default layers, bfloat16, two work indexes of several small shards each."""
@@ -61,6 +81,13 @@ def two_indexes(inprocess_env: None, tmp_path_factory: pytest.TempPathFactory) -
 def exported(two_indexes: Path) -> Path:
     dest = two_indexes.parent / "speculators"
     assert export(two_indexes, dest) == 0
+    return dest
+
+
+@pytest.fixture(scope="module")
+def referenced(two_indexes: Path) -> Path:
+    dest = two_indexes.parent / "speculators-reference"
+    assert export(two_indexes, dest, "--hidden-states", "reference") == 0
     return dest
 
 
@@ -222,6 +249,7 @@ def test_export_decodes_fp8_and_puts_the_verifier_layer_last(fp8_reordered: tupl
     assert meta["layers"]["exported"] == [2, 4, 5, N] and meta["layers"]["reordered"]
     assert meta["layers"]["speculators"]["train_args"] == ["--target-layer-ids", "2", "4", "5"]
     assert meta["hidden_states"] == {
+        "mode": "copy",
         "dtype": "float32",
         "source_storage": "fp8_e4m3",
         "note": meta["hidden_states"]["note"],
@@ -274,7 +302,10 @@ def test_export_refuses_bad_arguments(
     assert main(["export", "--format", "specforge", str(two_indexes), str(tmp_path / "x")]) == EXIT_CONFIG
     assert "speculators" in capsys.readouterr().err
     assert main(["export", str(two_indexes), str(tmp_path / "x")]) == EXIT_CONFIG  # no --format
-    assert "--format speculators SRC DST" in capsys.readouterr().err
+    assert "--format speculators [--hidden-states copy|reference] SRC DST" in capsys.readouterr().err
+    assert export(two_indexes, tmp_path / "x", "--hidden-states", "link") == EXIT_CONFIG
+    assert "--hidden-states 'link': unknown; choose copy or reference" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_layer_order_needs_the_last_layer() -> None:
@@ -285,3 +316,230 @@ def test_layer_order_needs_the_last_layer() -> None:
         order_layers([2, 4, 5], N)
     with pytest.raises(ConfigError, match="auxiliary"):
         order_layers([N], N)
+
+
+# --- reference exports: speculators reads the hidden states from our shards --------------------
+
+
+def register_backend() -> Any:
+    """Register the eagle3-extract backend, as ``python -m job.speculators`` does before speculators'
+    own imports (its training config collects backends' flags when first imported); returns the
+    registry's class."""
+    transfer = speculators("hs_connectors.transfer")
+    importlib.import_module("job.speculators")
+    return transfer.HiddenStatesBackend
+
+
+def reference_transfer(dest: Path, **train_args: str) -> Any:
+    """What ``speculators train --hidden-states-backend eagle3-extract`` builds for ``dest``."""
+    backend = register_backend().registry["eagle3-extract"]
+    args = argparse.ArgumentParser()
+    backend.add_train_args(args)
+    flags = [item for key, value in train_args.items() for item in (f"--{key.replace('_', '-')}", value)]
+    return backend.from_train_args(args.parse_args(flags), str(dest))
+
+
+def test_reference_export_writes_tokens_and_the_row_map_only(
+    two_indexes: Path, exported: Path, referenced: Path
+) -> None:
+    from datasets import load_from_disk
+
+    assert sorted(p.name for p in referenced.iterdir()) == sorted(
+        p.name for p in exported.iterdir() if p.name != "hidden_states"
+    )
+    full, ref = load_from_disk(str(exported)), load_from_disk(str(referenced))
+    assert ref.format == full.format and len(ref) == len(full)
+    assert ref.with_format(None).to_dict() == full.with_format(None).to_dict()  # every column, every row
+    assert torch.load(referenced / "token_freq.pt", weights_only=True) == torch.load(
+        exported / "token_freq.pt", weights_only=True
+    )
+    meta, full_meta = (json.loads((d / METADATA).read_text()) for d in (referenced, exported))
+    assert meta["hidden_states"]["mode"] == "reference" and full_meta["hidden_states"]["mode"] == "copy"
+    assert meta["source"]["location"] == str(two_indexes.resolve())  # absolute: training runs anywhere
+    assert meta["source"]["indexes"] == full_meta["source"]["indexes"]
+    assert meta["layers"] == full_meta["layers"]
+    # the map: row r of a shard listed with rows [a, b) is that shard's sample r - a
+    ours = samples(two_indexes)
+    rows = [
+        (index["name"], shard["name"], position)
+        for index in meta["source"]["indexes"]
+        for shard in index["shards"]
+        for position in range(shard["rows"][1] - shard["rows"][0])
+    ]
+    assert len(rows) == len(ours) == len(ref)
+    for row, (index, name, position) in enumerate(rows):
+        shard = read_manifest(two_indexes / index).shards  # type: ignore[union-attr]
+        listed = next(s for s in shard if s.name == name)
+        assert listed.sample_ids[position] == ref[row]["sample_id"] == ours[row].sample_id
+
+
+def test_reference_backend_gives_speculators_the_full_exports_items(
+    exported: Path, referenced: Path, fp8_reordered: tuple[Path, Path], tmp_path: Path
+) -> None:
+    data_mod = speculators("speculators.train.data")
+
+    fp8_out, fp8_full = fp8_reordered
+    fp8_ref = tmp_path / "fp8-reference"
+    assert export(fp8_out, fp8_ref, "--hidden-states", "reference") == 0
+    for full_dir, ref_dir in ((exported, referenced), (fp8_full, fp8_ref)):
+        full = data_mod.ArrowDataset(max_len=4096, datapath=str(full_dir), on_missing="raise")
+        ours = data_mod.ArrowDataset(
+            max_len=4096, datapath=str(ref_dir), transfer=reference_transfer(ref_dir), on_missing="raise"
+        )
+        assert len(ours) == len(full) and ours.approx_lengths == full.approx_lengths
+        for i in range(len(full)):
+            a, b = ours[i], full[i]
+            assert (
+                a.keys()
+                == b.keys()
+                == {
+                    "hidden_states",
+                    "input_ids",
+                    "verifier_last_hidden_states",
+                    "loss_mask",
+                    "lengths",
+                    "position_ids",
+                }
+            )
+            for key in a:
+                assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), (ref_dir, i, key)
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")
+def test_speculators_loaders_give_equal_batches_from_either_export(
+    two_indexes: Path, exported: Path, referenced: Path
+) -> None:
+    """speculators' own loaders, packing and collate: the file backend on the full export and ours
+    on the reference export, ours in a spawned DataLoader worker (the transfer travels pickled)."""
+    loader_mod = speculators("speculators.train.dataloader")
+    from speculators.models.eagle3.data import shift_batch
+
+    def loaders(data: Path, transfer: Any, workers: int) -> tuple[Any, Any]:
+        return loader_mod.create_train_val_loaders(
+            data_path=str(data),
+            total_seq_len=512,
+            hidden_states_dtype=torch.bfloat16,
+            transfer=transfer,
+            vllm_endpoint="http://127.0.0.1:9/v1",  # never contacted: on_missing="raise"
+            on_missing="raise",
+            verifier_name_or_path=read_manifest(two_indexes / "index-00000").model_path,  # type: ignore[union-attr]
+            request_timeout=1.0,
+            max_retries=0,
+            generation_validation_retries=0,
+            max_consecutive_generation_failures=1,
+            hidden_size=HIDDEN,
+            num_target_layers=3,
+            num_workers=workers,
+            prefetch_factor=2,
+            preprocess=shift_batch,
+            train_data_ratio=0.75,
+            seed=3,
+        )
+
+    batches = 0
+    theirs, ours_ = loaders(exported, None, 0), loaders(referenced, reference_transfer(referenced), 1)
+    for full, ours in zip(theirs, ours_, strict=True):
+        assert len(full) == len(ours)
+        for a, b in zip(full, ours, strict=True):
+            assert a.keys() == b.keys() and a["error_records"] == b["error_records"] == 0
+            for key, value in a.items():
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(value, b[key]), key
+            batches += 1
+    assert batches > 2
+
+
+def test_printed_train_lines_parse_with_speculators(
+    two_indexes: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The lines run as pasted: no placeholder, every flag and value speculators' parser accepts."""
+    register_backend()
+    from speculators.train.config import TrainConfig
+
+    model = read_manifest(two_indexes / "index-00000").model_path  # type: ignore[union-attr]
+    for mode, program in (("copy", ["speculators"]), ("reference", ["python", "-m", "job.speculators"])):
+        dest = tmp_path / f"data {mode}"  # a space: the printed line quotes paths
+        line = shlex.split(export_printing(two_indexes, dest, capsys, "--hidden-states", mode))
+        assert line[: len(program) + 1] == [*program, "train"], line
+        config = TrainConfig.resolve(line[len(program) + 1 :]).flatten()
+        assert config["data_path"] == str(dest)
+        assert config["verifier_name_or_path"] == model
+        assert config["target_layer_ids"] == [2, N // 2, N - 3]
+        assert config["hidden_states_backend"] == ("eagle3-extract" if mode == "reference" else "file")
+
+
+def test_speculators_trains_on_the_reference_export_as_on_the_full_one(
+    two_indexes: Path, job_env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """speculators 0.9's own trainer, three steps and a validation pass from each export's printed
+    line, on the CPU: the same losses, step for step."""
+    speculators("speculators.train.trainer")
+    cpu_only = [
+        *("--draft-attn-impl", "sdpa", "--loss-implementation", "eager"),  # no flex attention, no fused loss
+        *("--num-workers", "0", "--epochs", "1", "--max-steps", "3", "--log-freq", "1"),
+        *("--total-seq-len", "256", "--train-data-ratio", "0.75"),
+    ]
+    logged: dict[str, list[dict[str, Any]]] = {}
+    for mode in ("copy", "reference"):
+        line = shlex.split(export_printing(two_indexes, tmp_path / mode, capsys, "--hidden-states", mode))
+        args = line[line.index("train") :]
+        metrics = tmp_path / f"{mode}.jsonl"
+        save = ["--save-path", str(tmp_path / f"checkpoints-{mode}")]
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).parent / "speculators_cpu.py"), *args, *cpu_only, *save],
+            env={**job_env, "SPECULATORS_METRICS_JSONL": str(metrics)},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        logged[mode] = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert (tmp_path / f"checkpoints-{mode}" / "0").is_dir()  # the epoch's checkpoint
+    steps = [record["train"] for record in logged["reference"] if "train" in record]
+    assert len(steps) == 3 and all(step["error_records"] == 0 for step in steps)
+    assert all(0 < step["loss"] < 10 for step in steps)
+    assert [r for r in logged["reference"] if "val" in r]  # the validation pass ran too
+    strip = [{k: v for k, v in r.items() if k != "profile"} for r in logged["copy"]]
+    assert [{k: v for k, v in r.items() if k != "profile"} for r in logged["reference"]] == strip
+
+
+def test_reference_backend_refuses_what_it_cannot_read(
+    two_indexes: Path, exported: Path, referenced: Path, tmp_path: Path
+) -> None:
+    from job.errors import DamagedShard
+
+    with pytest.raises(ConfigError, match="hidden states copied"):
+        reference_transfer(exported)  # a full export: speculators' file backend reads it
+    with pytest.raises(ConfigError, match=r"no eagle3_extract\.json"):
+        reference_transfer(tmp_path)
+
+    # the output rewritten since the export: a shard listed with another checksum
+    moved = tmp_path / "moved"
+    shutil.copytree(two_indexes, moved)
+    manifest_path = moved / "index-00001" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    name = manifest["shards"][0]["name"]
+    manifest["shards"][0]["checksum"]["value"] = "AAAAAAAAAAA="
+    manifest_path.write_text(json.dumps(manifest))
+    transfer = reference_transfer(referenced, eagle3_extract_source=str(moved))
+    with pytest.raises(DamagedShard, match=rf"index-00001/{name}: exported with checksum .* export it again"):
+        transfer.get_cached(0)
+
+    # a flipped byte in a shard: its CRC64NVME is checked before the first row is read from it
+    damaged = tmp_path / "damaged"
+    shutil.copytree(two_indexes, damaged)
+    first = read_manifest(damaged / "index-00000").shards[0]  # type: ignore[union-attr]
+    with (damaged / "index-00000" / first.name).open("r+b") as f:
+        f.seek(first.bytes // 2)
+        byte = f.read(1)
+        f.seek(first.bytes // 2)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(DamagedShard, match=rf"{first.name}: checksum .* differs"):
+        reference_transfer(referenced, eagle3_extract_source=str(damaged)).get_cached(0)
+    unchecked = reference_transfer(
+        referenced, eagle3_extract_source=str(damaged), eagle3_extract_verify="off"
+    )
+    assert unchecked.get_cached(0)["token_ids"].numel() > 0
+
+    with pytest.raises(ConfigError, match="local outputs only"):
+        reference_transfer(referenced, eagle3_extract_source="s3://bucket/out")

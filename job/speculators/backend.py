@@ -1,0 +1,256 @@
+"""The ``eagle3-extract`` hidden-states backend: speculators reads each row's hidden states from
+our shards (the seam of hs-connectors 0.9, ``hs_connectors.transfer``).
+
+speculators' ``ArrowDataset`` asks its ``HiddenStatesTransfer`` for row ``file_idx`` with
+``get_cached(file_idx)`` and expects ``{"hidden_states": [T, L, H], "token_ids": [T]}``, the
+auxiliary layers first and the verifier's layer (N) last; it drops (and counts) a row whose
+``token_ids`` differ from the row's ``input_ids``. A reference export
+(``python -m job export --format speculators --hidden-states reference``) records where
+each row lives: ``eagle3_extract.json`` lists every shard it read with its checksum and row
+range [a, b), row r being the shard's sample r - a. ``ReferenceTransfer`` reads that sample
+from the shard and picks the stored layers in export order.
+
+Where the shards are: the export's source (``source.location``), or
+``--eagle3-extract-source`` (the same output moved or mirrored). Before the first row, each
+process checks that every index's manifest still lists the exported shards with the same
+checksums (an output rewritten by another run is an error naming the shard, never other
+samples under the same row numbers).
+
+A transfer is pickled into speculators' DataLoader workers (spawned); the shards are opened
+lazily in the process that reads them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
+
+from job.errors import ConfigError, DamagedShard
+from job.export import BACKEND_NAME, METADATA
+from job.manifest import Checksum, StoredFile
+from job.shards.reader import Shard
+from job.storage import open_shard_source, uri_scheme
+
+if TYPE_CHECKING:
+    import argparse
+
+    from job.storage.base import ShardSource
+
+SOURCE_FLAG = "--eagle3-extract-source"
+VERIFY_FLAG = "--eagle3-extract-verify"
+_OPEN_SHARDS = 32  # shards kept open per process (each a memory map)
+
+
+@dataclass(frozen=True)
+class ShardRows:
+    """One exported shard: where it is, what it must be, and the rows [first, stop) it holds."""
+
+    index: str
+    name: str
+    bytes: int
+    checksum: str  # CRC64NVME, base64, as the manifest lists it
+    first: int
+    stop: int
+
+
+class RowMap:
+    """Row number -> (shard, position), from a reference export's ``eagle3_extract.json``."""
+
+    def __init__(self, shards: list[ShardRows]) -> None:
+        self.shards = sorted(shards, key=lambda s: s.first)
+        self._firsts = [s.first for s in self.shards]
+        self.rows = self.shards[-1].stop if self.shards else 0
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, Any]) -> RowMap:
+        return cls(
+            [
+                ShardRows(
+                    index["name"],
+                    shard["name"],
+                    shard["bytes"],
+                    shard["checksum"]["value"],
+                    shard["rows"][0],
+                    shard["rows"][1],
+                )
+                for index in metadata["source"]["indexes"]
+                for shard in index["shards"]
+            ]
+        )
+
+    def locate(self, row: int) -> tuple[ShardRows, int]:
+        at = bisect.bisect_right(self._firsts, row) - 1
+        if row < 0 or at < 0 or row >= self.shards[at].stop:
+            raise IndexError(f"row {row}: the export has rows 0..{self.rows - 1}")
+        shard = self.shards[at]
+        return shard, row - shard.first
+
+
+class ReferenceTransfer(HiddenStatesTransfer):
+    """Hidden states of a reference export's rows, read from the shards at ``source``."""
+
+    def __init__(self, source: str, rows: RowMap, layers: list[int], verify: bool = True) -> None:
+        self.source = source
+        self.rows = rows
+        self.layers = layers  # stored layer ids in export order: auxiliary first, N last
+        self.verify = verify
+        self._shards: _ShardReader | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open files and mappings stay in the process that opened them; a worker opens its own.
+        return {**self.__dict__, "_shards": None}
+
+    def setup(self) -> None:
+        if self._shards is None:
+            shards = _ShardReader(self.source, self.verify)
+            shards.check_listed(self.rows)
+            self._shards = shards
+
+    def get_cached(self, file_idx: int) -> dict[str, torch.Tensor]:
+        self.setup()
+        assert self._shards is not None
+        shard, position = self.rows.locate(file_idx)
+        input_ids, hidden_states = self._shards.read(shard, position, self.layers)
+        return {"hidden_states": hidden_states, "token_ids": input_ids.long()}
+
+    def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        raise ConfigError(
+            f"the {BACKEND_NAME} hidden-states backend reads what python -m job run wrote; it has nothing "
+            "to do with hidden states speculators generates on demand (every exported row has its states)"
+        )
+
+
+class _ShardReader:
+    """The shards of a local output, opened lazily (memory-mapped, at most _OPEN_SHARDS at once)."""
+
+    def __init__(self, source: str, verify: bool) -> None:
+        self.source: ShardSource = open_shard_source(source, SOURCE_FLAG)
+        self.verify = verify
+        self._open: OrderedDict[tuple[str, str], Shard] = OrderedDict()
+        self._verified: set[tuple[str, str]] = set()  # checked once per process, even if closed since
+
+    def check_listed(self, rows: RowMap) -> None:
+        """Every exported shard still listed, with the checksum the export read it under."""
+        listed = {
+            (index.name, entry.name): entry.checksum.value
+            for index in self.source.indexes()
+            if index.manifest is not None
+            for entry in index.manifest.shards
+        }
+        for shard in rows.shards:
+            found = listed.get((shard.index, shard.name))
+            if found != shard.checksum:
+                state = "no longer listed" if found is None else f"listed with checksum {found}"
+                raise DamagedShard(
+                    f"{self.source.location}/{shard.index}/{shard.name}: exported with checksum "
+                    f"{shard.checksum}, now {state} in {shard.index}'s manifest (the output was rewritten "
+                    f"since the export, or {SOURCE_FLAG} names another output): export it again"
+                )
+
+    def read(self, shard: ShardRows, position: int, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample ``position`` of ``shard``: its input ids [T] and hidden states [T, len(layers), H]."""
+        opened = self._shard(shard)
+        sample = opened.sample(position)
+        order = [opened.layer_ids.index(layer) for layer in layers]
+        hidden = sample.hidden_states
+        if order != list(range(len(opened.layer_ids))):
+            hidden = hidden.index_select(1, torch.tensor(order))
+        return sample.input_ids, hidden
+
+    def _shard(self, shard: ShardRows) -> Shard:
+        key = (shard.index, shard.name)
+        opened = self._open.get(key)
+        if opened is not None:
+            self._open.move_to_end(key)
+            return opened
+        entry = StoredFile(
+            name=shard.name, bytes=shard.bytes, checksum=Checksum(algorithm="crc64nvme", value=shard.checksum)
+        )
+        # The whole file through CRC64NVME (or its size alone), once per shard and process.
+        self.source.check(shard.index, entry, checksum=self.verify and key not in self._verified)
+        self._verified.add(key)
+        with self.source.fetch(shard.index, entry) as path:  # local: the file itself
+            opened = Shard(path)
+        self._open[key] = opened
+        while len(self._open) > _OPEN_SHARDS:
+            self._open.popitem(last=False)
+        return opened
+
+
+def read_reference_export(data_path: str | Path) -> dict[str, Any]:
+    """A reference export's ``eagle3_extract.json``, or a ConfigError saying what ``data_path`` is."""
+    path = Path(data_path) / METADATA
+    try:
+        metadata: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"--data-path {data_path}: no {METADATA}; the {BACKEND_NAME} backend reads an export made with "
+            "python -m job export --format speculators --hidden-states reference (an unfinished export "
+            "has none)"
+        ) from None
+    mode = metadata.get("hidden_states", {}).get("mode", "copy")
+    if mode != "reference":
+        raise ConfigError(
+            f"--data-path {data_path}: an export with its hidden states copied ({mode}); train on it with "
+            f"speculators' file backend (leave --hidden-states-backend at its default), not {BACKEND_NAME}"
+        )
+    return metadata
+
+
+@HiddenStatesBackend.register(BACKEND_NAME)
+class Eagle3ExtractBackend(HiddenStatesBackend):
+    """``--hidden-states-backend eagle3-extract``: rows' hidden states from the job's shards."""
+
+    @staticmethod
+    def add_train_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            SOURCE_FLAG,
+            type=str,
+            default=None,
+            help=f"({BACKEND_NAME}) the output holding the shards (a directory); default: the "
+            f"export's SRC, as {METADATA} records it",
+        )
+        parser.add_argument(
+            VERIFY_FLAG,
+            type=str,
+            choices=["on", "off"],
+            default="on",
+            help=f"({BACKEND_NAME}) on (default): check each shard against its manifest's CRC64NVME "
+            "before reading from it",
+        )
+
+    @staticmethod
+    def add_launch_args(parser: argparse.ArgumentParser) -> None:
+        """Nothing: this backend reads what ``python -m job run`` wrote; it launches no vLLM."""
+
+    @staticmethod
+    def from_train_args(args: argparse.Namespace, data_path: str) -> ReferenceTransfer:
+        metadata = read_reference_export(data_path)
+        source = getattr(args, "eagle3_extract_source", None) or metadata["source"]["location"]
+        if uri_scheme(source) is not None:
+            raise ConfigError(
+                f"{SOURCE_FLAG} {source}: the {BACKEND_NAME} backend reads local outputs only in this "
+                "version; export with --hidden-states copy, or train from a local copy of the output"
+            )
+        rows = RowMap.from_metadata(metadata)
+        if rows.rows != metadata["rows"]:
+            raise ConfigError(
+                f"--data-path {data_path}: {METADATA} maps {rows.rows} rows but lists {metadata['rows']}; "
+                "the export is damaged: export again"
+            )
+        verify = getattr(args, "eagle3_extract_verify", "on") != "off"
+        return ReferenceTransfer(source, rows, metadata["layers"]["exported"], verify)
+
+    @staticmethod
+    def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:
+        raise ConfigError(
+            f"the {BACKEND_NAME} hidden-states backend reads the output of python -m job run; it has no "
+            "vLLM side to launch (generate the data with python -m job run)"
+        )
