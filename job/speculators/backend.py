@@ -10,21 +10,24 @@ each row lives: ``eagle3_extract.json`` lists every shard it read with its check
 range [a, b), row r being the shard's sample r - a. ``ReferenceTransfer`` reads that sample
 from the shard and picks the stored layers in export order.
 
-Where the shards are: the export's source (``source.location``), or
-``--eagle3-extract-source`` (the same output moved or mirrored). Before the first row, each
-process checks that every index's manifest still lists the exported shards with the same
-checksums (an output rewritten by another run is an error naming the shard, never other
-samples under the same row numbers).
+Where the shards are: the export's source (``source.location``: a local directory or
+``s3://bucket/prefix``), or ``--eagle3-extract-source`` (the same output moved or mirrored).
+They are read through ``job.shards.access.OutputReader``: local shards by memory map, S3 ones by
+ranged GETs of a shard's header and tail once, then of one sample's rows; every sample's bytes
+are checked against the manifest's per-range CRC64NVME before a tensor is made of them
+(``--eagle3-extract-verify off`` skips that). Before the first row, each process checks that
+every index's manifest still lists the exported shards with the same checksums (an output
+rewritten by another run is an error naming the shard, never other samples under the same
+row numbers).
 
-A transfer is pickled into speculators' DataLoader workers (spawned); the shards are opened
-lazily in the process that reads them.
+A transfer is pickled into speculators' DataLoader workers (spawned); the reader is opened
+lazily in the process that reads.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,18 +37,14 @@ from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
 from job.errors import ConfigError, DamagedShard
 from job.export import BACKEND_NAME, METADATA
-from job.manifest import Checksum, StoredFile
-from job.shards.reader import Shard
-from job.storage import open_shard_source, uri_scheme
+from job.manifest import ShardEntry
+from job.shards.access import OutputReader
 
 if TYPE_CHECKING:
     import argparse
 
-    from job.storage.base import ShardSource
-
 SOURCE_FLAG = "--eagle3-extract-source"
 VERIFY_FLAG = "--eagle3-extract-verify"
-_OPEN_SHARDS = 32  # shards kept open per process (each a memory map)
 
 
 @dataclass(frozen=True)
@@ -128,60 +127,36 @@ class ReferenceTransfer(HiddenStatesTransfer):
 
 
 class _ShardReader:
-    """The shards of a local output, opened lazily (memory-mapped, at most _OPEN_SHARDS at once)."""
+    """The exported shards, read through ``job.shards.access`` (local: memory maps; S3: ranged
+    GETs), each sample checked against its manifest's per-range CRC64NVME before it is handed out."""
 
     def __init__(self, source: str, verify: bool) -> None:
-        self.source: ShardSource = open_shard_source(source, SOURCE_FLAG)
-        self.verify = verify
-        self._open: OrderedDict[tuple[str, str], Shard] = OrderedDict()
-        self._verified: set[tuple[str, str]] = set()  # checked once per process, even if closed since
+        self.reader = OutputReader(source, verify=verify, setting=SOURCE_FLAG)
+        self._entries: dict[tuple[str, str], ShardEntry] = {}
 
     def check_listed(self, rows: RowMap) -> None:
         """Every exported shard still listed, with the checksum the export read it under."""
-        listed = {
-            (index.name, entry.name): entry.checksum.value
-            for index in self.source.indexes()
-            if index.manifest is not None
-            for entry in index.manifest.shards
-        }
+        listed: dict[tuple[str, str], ShardEntry] = {}
+        for index in sorted({shard.index for shard in rows.shards}):
+            manifest = self.reader.manifest(index)
+            for entry in manifest.shards if manifest is not None else []:
+                listed[(index, entry.name)] = entry
         for shard in rows.shards:
-            found = listed.get((shard.index, shard.name))
-            if found != shard.checksum:
-                state = "no longer listed" if found is None else f"listed with checksum {found}"
+            entry = listed.get((shard.index, shard.name))
+            if entry is None or entry.checksum.value != shard.checksum:
+                now = "no longer listed" if entry is None else f"listed with checksum {entry.checksum.value}"
                 raise DamagedShard(
-                    f"{self.source.location}/{shard.index}/{shard.name}: exported with checksum "
-                    f"{shard.checksum}, now {state} in {shard.index}'s manifest (the output was rewritten "
-                    f"since the export, or {SOURCE_FLAG} names another output): export it again"
+                    f"{self.reader.where(shard.index, shard.name)}: exported with checksum {shard.checksum}, "
+                    f"now {now} in {shard.index}'s manifest (the output was rewritten since the export, or "
+                    f"{SOURCE_FLAG} names another output): export it again"
                 )
+            self._entries[(shard.index, shard.name)] = entry
 
     def read(self, shard: ShardRows, position: int, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample ``position`` of ``shard``: its input ids [T] and hidden states [T, len(layers), H]."""
-        opened = self._shard(shard)
-        sample = opened.sample(position)
-        order = [opened.layer_ids.index(layer) for layer in layers]
-        hidden = sample.hidden_states
-        if order != list(range(len(opened.layer_ids))):
-            hidden = hidden.index_select(1, torch.tensor(order))
-        return sample.input_ids, hidden
-
-    def _shard(self, shard: ShardRows) -> Shard:
-        key = (shard.index, shard.name)
-        opened = self._open.get(key)
-        if opened is not None:
-            self._open.move_to_end(key)
-            return opened
-        entry = StoredFile(
-            name=shard.name, bytes=shard.bytes, checksum=Checksum(algorithm="crc64nvme", value=shard.checksum)
-        )
-        # The whole file through CRC64NVME (or its size alone), once per shard and process.
-        self.source.check(shard.index, entry, checksum=self.verify and key not in self._verified)
-        self._verified.add(key)
-        with self.source.fetch(shard.index, entry) as path:  # local: the file itself
-            opened = Shard(path)
-        self._open[key] = opened
-        while len(self._open) > _OPEN_SHARDS:
-            self._open.popitem(last=False)
-        return opened
+        entry = self._entries[(shard.index, shard.name)]
+        sample = self.reader.shard(shard.index, shard.name, entry).sample(position, layers)
+        return sample.input_ids, sample.hidden_states
 
 
 def read_reference_export(data_path: str | Path) -> dict[str, Any]:
@@ -214,16 +189,16 @@ class Eagle3ExtractBackend(HiddenStatesBackend):
             SOURCE_FLAG,
             type=str,
             default=None,
-            help=f"({BACKEND_NAME}) the output holding the shards (a directory); default: the "
-            f"export's SRC, as {METADATA} records it",
+            help=f"({BACKEND_NAME}) the output holding the shards (a directory or s3://bucket/prefix); "
+            f"default: the export's SRC, as {METADATA} records it",
         )
         parser.add_argument(
             VERIFY_FLAG,
             type=str,
             choices=["on", "off"],
             default="on",
-            help=f"({BACKEND_NAME}) on (default): check each shard against its manifest's CRC64NVME "
-            "before reading from it",
+            help=f"({BACKEND_NAME}) on (default): check every sample's bytes against its manifest's "
+            "CRC64NVME before handing it out",
         )
 
     @staticmethod
@@ -234,11 +209,6 @@ class Eagle3ExtractBackend(HiddenStatesBackend):
     def from_train_args(args: argparse.Namespace, data_path: str) -> ReferenceTransfer:
         metadata = read_reference_export(data_path)
         source = getattr(args, "eagle3_extract_source", None) or metadata["source"]["location"]
-        if uri_scheme(source) is not None:
-            raise ConfigError(
-                f"{SOURCE_FLAG} {source}: the {BACKEND_NAME} backend reads local outputs only in this "
-                "version; export with --hidden-states copy, or train from a local copy of the output"
-            )
         rows = RowMap.from_metadata(metadata)
         if rows.rows != metadata["rows"]:
             raise ConfigError(
