@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from job.errors import ConfigError, JobError
 from job.hidden_dtype import hidden_dtype
-from job.layout import MANIFEST, index_dir_name
+from job.layout import MANIFEST, SPECULATORS_BACKEND, SPECULATORS_EXPORT_RECORD, index_dir_name
 from job.manifest import Manifest, ShardEntry
 from job.model import LAYER_CONVENTION, LAYER_CONVENTION_TEXT
 from job.shards import Shard
@@ -61,8 +61,8 @@ FORMATS = ("speculators",)
 # copy: every row's hidden states as a file of its own (speculators' `file` backend reads them);
 # reference: none, the `eagle3-extract` backend reads them from the shards.
 HIDDEN_STATES_MODES = ("copy", "reference")
-BACKEND_NAME = "eagle3-extract"  # the speculators hidden-states backend job.speculators registers
-METADATA = "eagle3_extract.json"
+BACKEND_NAME = SPECULATORS_BACKEND  # registered by job.speculators
+METADATA = SPECULATORS_EXPORT_RECORD
 HIDDEN_STATES_DIR = "hidden_states"
 TOKEN_FREQ = "token_freq.pt"
 SPECULATORS_VERIFIED = "0.9.0"  # the release the tests load exports with

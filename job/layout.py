@@ -26,6 +26,11 @@ SHARD_SUFFIX = ".safetensors"
 REGENERATED_SUFFIX = ".regenerated.jsonl"
 # A file being written under its final name plus this suffix (local stores, staging).
 PARTIAL = ".partial"
+# ``export --format speculators``: the export's own record, written last (job.export), and the
+# speculators hidden-states backend that reads a reference export's rows from the shards
+# (job.speculators).
+SPECULATORS_EXPORT_RECORD = "eagle3_extract.json"
+SPECULATORS_BACKEND = "eagle3-extract"
 
 
 def index_dir_name(index: int) -> str:

@@ -36,7 +36,8 @@ import torch
 from hs_connectors.transfer import HiddenStatesBackend, HiddenStatesTransfer
 
 from job.errors import ConfigError, DamagedShard
-from job.export import BACKEND_NAME, METADATA
+from job.layout import SPECULATORS_BACKEND as BACKEND_NAME
+from job.layout import SPECULATORS_EXPORT_RECORD as METADATA
 from job.manifest import ShardEntry
 from job.shards.access import OutputReader
 
