@@ -49,13 +49,12 @@ VERIFY_FLAG = "--eagle3-extract-verify"
 
 
 @dataclass(frozen=True)
-class ShardRows:
-    """One exported shard: where it is, what it must be, and the rows [first, stop) it holds."""
+class ExportedShard:
+    """One shard a reference export read: where it is, its checksum then, the rows [first, stop)."""
 
     index: str
     name: str
-    bytes: int
-    checksum: str  # CRC64NVME, base64, as the manifest lists it
+    checksum: str  # CRC64NVME, base64, as the manifest listed it at export time
     first: int
     stop: int
 
@@ -63,7 +62,7 @@ class ShardRows:
 class RowMap:
     """Row number -> (shard, position), from a reference export's ``eagle3_extract.json``."""
 
-    def __init__(self, shards: list[ShardRows]) -> None:
+    def __init__(self, shards: list[ExportedShard]) -> None:
         self.shards = sorted(shards, key=lambda s: s.first)
         self._firsts = [s.first for s in self.shards]
         self.rows = self.shards[-1].stop if self.shards else 0
@@ -72,10 +71,9 @@ class RowMap:
     def from_metadata(cls, metadata: dict[str, Any]) -> RowMap:
         return cls(
             [
-                ShardRows(
+                ExportedShard(
                     index["name"],
                     shard["name"],
-                    shard["bytes"],
                     shard["checksum"]["value"],
                     shard["rows"][0],
                     shard["rows"][1],
@@ -85,7 +83,7 @@ class RowMap:
             ]
         )
 
-    def locate(self, row: int) -> tuple[ShardRows, int]:
+    def locate(self, row: int) -> tuple[ExportedShard, int]:
         at = bisect.bisect_right(self._firsts, row) - 1
         if row < 0 or at < 0 or row >= self.shards[at].stop:
             raise IndexError(f"row {row}: the export has rows 0..{self.rows - 1}")
@@ -108,16 +106,19 @@ class ReferenceTransfer(HiddenStatesTransfer):
         return {**self.__dict__, "_shards": None}
 
     def setup(self) -> None:
+        self._reader()
+
+    def _reader(self) -> _ShardReader:
+        # speculators calls setup() only before generating on demand, never before get_cached
         if self._shards is None:
             shards = _ShardReader(self.source, self.verify)
             shards.check_listed(self.rows)
             self._shards = shards
+        return self._shards
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor]:
-        self.setup()
-        assert self._shards is not None
         shard, position = self.rows.locate(file_idx)
-        input_ids, hidden_states = self._shards.read(shard, position, self.layers)
+        input_ids, hidden_states = self._reader().read(shard, position, self.layers)
         return {"hidden_states": hidden_states, "token_ids": input_ids.long()}
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
@@ -153,7 +154,9 @@ class _ShardReader:
                 )
             self._entries[(shard.index, shard.name)] = entry
 
-    def read(self, shard: ShardRows, position: int, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, shard: ExportedShard, position: int, layers: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample ``position`` of ``shard``: its input ids [T] and hidden states [T, len(layers), H]."""
         entry = self._entries[(shard.index, shard.name)]
         sample = self.reader.shard(shard.index, shard.name, entry).sample(position, layers)
