@@ -6,6 +6,8 @@ path's ceiling); ``s3_ceiling`` an S3 endpoint's raw upload ceiling with boto3 a
 samples per CPU second of tokenizing and masking agentic conversations; ``preflight_time`` how long
 ``python -m job preflight`` takes against the start-up it saves; ``dataset_read`` reading an
 output back with ``OutputDataset`` (local, S3, memory, follow latency); ``regeneration`` a
-regenerating run against its parts (generation alone, extraction alone) on one engine. They import the
+regenerating run against its parts (generation alone, extraction alone) on one engine;
+``speculators_export`` the bytes a reference export saves and speculators' loader reading it. They
+import the
 job's modules; nothing in the job imports them (``job.cli`` dispatches ``bench`` lazily).
 """

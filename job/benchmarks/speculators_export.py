@@ -1,4 +1,4 @@
-"""``python -m job.bench_speculators``: what a reference export saves, and what it costs
+"""``python -m job.benchmarks.speculators_export``: what a reference export saves, and what it costs
 speculators' data loader.
 
 One output (``--output``; default: the builtin tiny model run on the bundled examples into
@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m job.bench_speculators", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m job.benchmarks.speculators_export", description=__doc__)
     parser.add_argument("--output", help="an existing output (default: run the tiny model into --work-dir)")
     parser.add_argument("--work-dir", help="where the output and exports go (default: a temp dir)")
     parser.add_argument("--workers", default="0,2", help="DataLoader workers to measure, comma-separated")
