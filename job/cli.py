@@ -98,7 +98,10 @@ def _parser() -> argparse.ArgumentParser:
         "eagle3-extract speculators backend reads them from SRC's shards (python -m job.speculators)",
     )
     export.add_argument(
-        "--verify", action="store_true", help="recompute local shards' checksums (s3: always)"
+        "--verify",
+        action="store_true",
+        help="recompute local shards' checksums (s3: always); reference: read every sample through its "
+        "checksum (without: headers and offsets checked, the ids and masks read alone)",
     )
     export.add_argument(
         "--allow-incomplete",

@@ -22,8 +22,10 @@ last layer is pre-norm, the model and the manifests the rows came from, with eac
 shard's row range: row r of a shard whose range is [a, b) is its sample r - a (the map
 the reference backend reads by). It is written last: an export without it is unfinished.
 
-Only shards that a manifest lists are read, through a ``ShardSource`` (job.storage); only one
-sample's hidden states are in memory at a time (a reference export reads none). FP8 shards
+Only shards that a manifest lists are read: for a full export through a ``ShardSource``
+(job.storage), one sample's hidden states in memory at a time; for a reference export through
+``job.shards.access.OutputReader``, token ids and loss masks alone (from S3: each shard's header
+and tail, no rows), unless ``--verify`` reads every sample through its checksum. FP8 shards
 are decoded to the model dtype, which is what speculators' default (file) hidden-states
 backend reads.
 """
@@ -36,6 +38,7 @@ import shlex
 import shutil
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
@@ -53,6 +56,7 @@ from job.layout import MANIFEST, SPECULATORS_BACKEND, SPECULATORS_EXPORT_RECORD,
 from job.manifest import Manifest, ShardEntry
 from job.model import LAYER_CONVENTION, LAYER_CONVENTION_TEXT
 from job.shards import Shard
+from job.shards.access import OutputReader, ShardRows
 from job.shards.format import read_metadata
 from job.storage import open_shard_source, uri_scheme
 from job.storage.base import ShardSource
@@ -192,13 +196,24 @@ def export(
             f"export --hidden-states {hidden_states!r}: unknown; choose {' or '.join(HIDDEN_STATES_MODES)}"
         )
     source = open_shard_source(src, "export SRC", verify)
-    return export_speculators(source, Path(dest), allow_incomplete, hidden_states)
+    if hidden_states == "copy":
+        return export_speculators(source, Path(dest), allow_incomplete)
+    reader = OutputReader(src, verify=True, setting="export SRC")
+    try:
+        return export_speculators(source, Path(dest), allow_incomplete, reader, verify)
+    finally:
+        reader.close()
 
 
 def export_speculators(
-    source: ShardSource, dest: Path, allow_incomplete: bool = False, hidden_states: str = "copy"
+    source: ShardSource,
+    dest: Path,
+    allow_incomplete: bool = False,
+    reader: OutputReader | None = None,
+    verify: bool = False,
 ) -> ExportSummary:
-    """Write the export; with ``hidden_states="reference"`` no hidden state is read or written."""
+    """Write the export: with ``reader``, a reference export, whose samples' token ids and loss masks
+    come through ``reader`` (rows unread unless ``verify``), else every sample copied whole."""
     datasets = _import_datasets()
     indexes = _usable_indexes(source, allow_incomplete)
     reference = indexes[0].manifest
@@ -207,12 +222,10 @@ def export_speculators(
     num_layers = int(first_shard["num_model_layers"])
     hidden_dtype = first_shard["model_dtype"]
     layers = order_layers(reference.identity.layer_ids, num_layers)
-    reorder = layers.reorder
 
-    copy = hidden_states == "copy"
     _claim_dest(dest)
     hidden_dir = dest / HIDDEN_STATES_DIR
-    if copy:
+    if reader is None:
         hidden_dir.mkdir()
     staging = dest / ".staging"  # not dest itself: datasets refuses to save a dataset over its own files
     staging.mkdir()
@@ -227,26 +240,25 @@ def export_speculators(
         batch = _RowBatch()
         for index_name, entry in entries:
             first_row = row
-            with source.fetch(index_name, entry) as path:
-                shard = Shard(path)
-                _check_shard(shard, entry, layers, index_name)
-                for position, sample_id in enumerate(shard.sample_ids):
-                    input_ids, loss_mask = shard.tokens(position)
-                    ids, mask = input_ids.long(), loss_mask.long()
-                    if copy:
-                        states = reorder(shard.sample(position).hidden_states)
-                        hs_file = hidden_dir / f"hs_{row}.safetensors"
-                        save_file({"hidden_states": states, "token_ids": ids}, str(hs_file))
-                    targets = ids[mask.bool()]
-                    token_freq.update(targets.tolist())
-                    batch.add(ids, mask, sample_id)
-                    if len(batch) == _ROWS_PER_BATCH:
-                        writer.write_batch(batch.take())
-                    row += 1
-                    tokens += len(ids)
-                    assistant += len(targets)
-                    unsupervised += not len(targets)
-                    progress.update()
+            if reader is None:
+                samples = _copied(source, index_name, entry, layers)
+            else:
+                samples = _referenced(reader, index_name, entry, layers, verify)
+            for sample_id, input_ids, loss_mask, states in samples:
+                ids, mask = input_ids.long(), loss_mask.long()
+                if states is not None:
+                    hs_file = hidden_dir / f"hs_{row}.safetensors"
+                    save_file({"hidden_states": states, "token_ids": ids}, str(hs_file))
+                targets = ids[mask.bool()]
+                token_freq.update(targets.tolist())
+                batch.add(ids, mask, sample_id)
+                if len(batch) == _ROWS_PER_BATCH:
+                    writer.write_batch(batch.take())
+                row += 1
+                tokens += len(ids)
+                assistant += len(targets)
+                unsupervised += not len(targets)
+                progress.update()
             row_ranges[(index_name, entry.name)] = [first_row, row]
         if len(batch):
             writer.write_batch(batch.take())
@@ -259,11 +271,44 @@ def export_speculators(
     shutil.rmtree(staging)
     torch.save(dict(token_freq), dest / TOKEN_FREQ)
 
+    mode = "copy" if reader is None else "reference"
     summary = ExportSummary(
-        dest, row, tokens, assistant, unsupervised, layers, hidden_dtype, reference.model_path, hidden_states
+        dest, row, tokens, assistant, unsupervised, layers, hidden_dtype, reference.model_path, mode
     )
     _write_metadata(summary, reference, indexes, row_ranges, _absolute(source.location))
     return summary
+
+
+_Exported = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]  # id, ids, mask, states to copy
+
+
+def _copied(source: ShardSource, index: str, entry: ShardEntry, layers: LayerOrder) -> Iterator[_Exported]:
+    """A shard's samples with their hidden states in export order (a remote shard: streamed to a
+    temporary file through the manifest's CRC64NVME first; a local one: checked where the source
+    verifies)."""
+    with source.fetch(index, entry) as path:
+        shard = Shard(path)
+        _check_shard(shard, entry, layers, index)
+        for sample in shard:
+            yield sample.sample_id, sample.input_ids, sample.loss_mask, layers.reorder(sample.hidden_states)
+
+
+def _referenced(
+    reader: OutputReader, index: str, entry: ShardEntry, layers: LayerOrder, verify: bool
+) -> Iterator[_Exported]:
+    """A shard's samples without hidden states. The shard's header and sample offsets are checked
+    against the manifest; the token ids and loss masks are read alone (a remote shard: from its tail,
+    one ranged GET) unless ``verify``, which reads each whole sample through its checksum. Training
+    reads every sample through that checksum anyway, and speculators compares its token ids with
+    the row's."""
+    shard = reader.shard(index, entry.name, entry)
+    _check_shard(shard, entry, layers, index)
+    for position, sample_id in enumerate(shard.sample_ids):
+        if verify:
+            sample = shard.sample(position)
+            yield sample_id, sample.input_ids, sample.loss_mask, None
+        else:
+            yield sample_id, *shard.token_ids(position), None
 
 
 class _RowBatch:
@@ -370,7 +415,7 @@ def _usable_indexes(source: ShardSource, allow_incomplete: bool) -> list[_Index]
     return indexes
 
 
-def _check_shard(shard: Shard, entry: ShardEntry, layers: LayerOrder, index: str) -> None:
+def _check_shard(shard: Shard | ShardRows, entry: ShardEntry, layers: LayerOrder, index: str) -> None:
     where = f"{index}/{entry.name}"
     if shard.layer_ids != layers.stored or int(shard.metadata["num_model_layers"]) != layers.num_layers:
         raise JobError(

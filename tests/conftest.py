@@ -45,7 +45,7 @@ adapters/, config/adapters.yaml    test_adapter_selection, test_vllm_contract, t
 adapters/execution.py              test_vllm_e2e (a forward failing in the worker)
 job/generate/                      test_regeneration, test_vllm_generate, test_s3_job
 job/manifest.py, layout.py         test_resume, test_regeneration (side files), test_output_stability
-job/export.py                      test_export, test_s3_export
+job/export.py, job/speculators/    test_export, test_s3_export
 job/logs.py                        test_rejections_and_logs, test_s3_job (no secrets)
 job/plan.py, inspect.py            test_shards_roundtrip, test_regeneration
 job/compare.py                     test_vllm_tp

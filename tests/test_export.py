@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file
 
 from job.cli import main
-from job.errors import EXIT_CONFIG, EXIT_FAILURE, ConfigError
+from job.errors import EXIT_CONFIG, EXIT_FAILURE, ConfigError, DamagedShard
 from job.export import METADATA, order_layers
 from job.shards import Sample, iter_output, read_manifest
 
@@ -287,6 +287,16 @@ def test_export_verify_catches_a_damaged_shard(two_indexes: Path, tmp_path: Path
         f.write(bytes([last[0] ^ 1]))
     assert export(src, tmp_path / "unverified") == 0
     assert export(src, tmp_path / "verified", "--verify") == EXIT_FAILURE
+    # a reference export reads the ids and masks alone: --verify reads each sample through its
+    # checksum; without it, training does, and stops at the damaged sample naming it
+    reference = ("--hidden-states", "reference")
+    assert export(src, tmp_path / "reference-verified", *reference, "--verify") == EXIT_FAILURE
+    assert export(src, tmp_path / "reference", *reference) == 0
+    shards = json.loads((tmp_path / "reference" / METADATA).read_text())["source"]["indexes"][0]["shards"]
+    transfer = reference_transfer(tmp_path / "reference")
+    transfer.get_cached(shards[1]["rows"][0])  # a sample of another shard
+    with pytest.raises(DamagedShard, match=rf"{entry.name}: checksum .* of sample \d+ .* differs"):
+        transfer.get_cached(shards[0]["rows"][1] - 1)  # the damaged shard's last sample
 
 
 def test_export_refuses_bad_arguments(
@@ -506,8 +516,6 @@ def test_speculators_trains_on_the_reference_export_as_on_the_full_one(
 def test_reference_backend_refuses_what_it_cannot_read(
     two_indexes: Path, exported: Path, referenced: Path, tmp_path: Path
 ) -> None:
-    from job.errors import DamagedShard
-
     with pytest.raises(ConfigError, match="hidden states copied"):
         reference_transfer(exported)  # a full export: speculators' file backend reads it
     with pytest.raises(ConfigError, match=r"no eagle3_extract\.json"):

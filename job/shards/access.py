@@ -140,6 +140,17 @@ class ShardRows:
     def tokens(self, position: int) -> int:
         return int(self.offsets[position + 1] - self.offsets[position])
 
+    def token_ids(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample ``position``'s input ids and loss mask alone, its rows unread (remote: from the tail
+        fetched when the shard was opened). Unchecked: the sample's checksum covers them only with
+        its rows (``sample``)."""
+        a, b = int(self.offsets[position]), int(self.offsets[position + 1])
+        ids, mask = self.tensors["input_ids"], self.tensors["loss_mask"]
+        return (
+            _tensor(self._body.read(ids.start + a * 4, ids.start + b * 4), torch.int32),
+            _tensor(self._body.read(mask.start + a, mask.start + b), torch.uint8),
+        )
+
     def sample_bytes(self, position: int) -> int:
         """Bytes read for sample ``position`` (its rows; the tail came with the shard)."""
         return self.tokens(position) * self.row_bytes

@@ -61,18 +61,12 @@ class Shard:
             return (rows.to(torch.float32) * scales.unsqueeze(-1)).to(self.model_dtype)
         return rows
 
-    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample i's input ids and loss mask, without reading its hidden states."""
-        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return self._input_ids[a:b], self._loss_mask[a:b]
-
     def sample(self, i: int) -> Sample:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        input_ids, loss_mask = self.tokens(i)
         return Sample(
             sample_id=self.sample_ids[i],
-            input_ids=input_ids,
-            loss_mask=loss_mask,
+            input_ids=self._input_ids[a:b],
+            loss_mask=self._loss_mask[a:b],
             hidden_states=self.hidden_rows(a, b),
             layer_ids=self.layer_ids,
         )

@@ -3,7 +3,7 @@ COMMAND ...``, every command and flag unchanged) with the ``eagle3-extract`` hid
 backend registered, e.g.
 
     python -m job.speculators train --data-path DST --hidden-states-backend eagle3-extract ...
-    torchrun --nproc-per-node 8 -m job.speculators train ...
+    torchrun --nproc-per-node 8 -m job.speculators train ...   # several ranks (not run: no GPU)
 
 speculators 0.9 collects backends' flags when its training config module is first imported,
 so the backend must be registered before that: importing ``job.speculators`` (above
