@@ -7,7 +7,6 @@ samples per CPU second of tokenizing and masking agentic conversations; ``prefli
 ``python -m job preflight`` takes against the start-up it saves; ``dataset_read`` reading an
 output back with ``OutputDataset`` (local, S3, memory, follow latency); ``regeneration`` a
 regenerating run against its parts (generation alone, extraction alone) on one engine;
-``speculators_export`` the bytes a reference export saves and speculators' loader reading it. They
-import the
-job's modules; nothing in the job imports them (``job.cli`` dispatches ``bench`` lazily).
+``speculators_export`` the bytes a reference export saves and speculators' loader reading it.
+They import the job's modules; nothing in the job imports them (``job.cli`` dispatches ``bench`` lazily).
 """
