@@ -315,14 +315,6 @@ EXPECTED: dict[str, dict[str, list[str] | str]] = {
 }  # fmt: skip
 # Templates that split content at a literal </think> and drop what precedes it from earlier turns.
 DROPS_TEXT = {"deepseek-v3.1", "qwen3", "glm-4.6", "minimax-m2"}
-# Where job.data.encode differs from the oracle: a strict xfail, so that a fix shows.
-KNOWN_DIFFERENCES = {
-    ("nemotron-3-nano", "reasoning"): (
-        "a turn before the last user turn renders <think></think>\\n, not the prompt's <think>\\n:"
-        " the encoder starts that turn at its content (A1), leaving </think>\\n out of the loss,"
-        " where GLM-4.6's and Kimi-K2-Thinking's empty blocks in such turns are in it"
-    ),
-}
 
 
 def build_tokenizer(family: str, out: Path) -> Path:
@@ -380,12 +372,7 @@ def expected_mask(family: dict[str, Any], full: str, turns: list[str]) -> tuple[
 
 
 @pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
-def test_masks_equal_the_hand_written_turns(
-    family: dict[str, Any], conversation: str, request: pytest.FixtureRequest
-) -> None:
-    known = KNOWN_DIFFERENCES.get((family["name"], conversation))
-    if known:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=known))
+def test_masks_equal_the_hand_written_turns(family: dict[str, Any], conversation: str) -> None:
     record = CONVERSATIONS[conversation]
     expected = EXPECTED[family["name"]][conversation]
     result = family["encoder"].encode("s", record, None)

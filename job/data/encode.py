@@ -517,9 +517,13 @@ class SampleEncoder:
         context = self._render(messages[:i], tools, template)[0] if prompt else ""
         if prompt.startswith(context) and len(prompt) > len(context):
             header = prompt[len(context) :]
-            at = full.rfind(header, lo, first)
-            if at >= 0:
-                return at + len(header)
+            # Without its trailing whitespace too: a prompt that opens the reasoning block
+            # (``<think>\n``) renders an earlier turn's empty block closed (Nemotron 3's
+            # ``<think></think>``), and the model generated that ``</think>``.
+            for text in dict.fromkeys((header, header.rstrip())):
+                at = full.rfind(text, lo, first) if text else -1
+                if at >= 0:
+                    return at + len(text)
         at = self._insertion_point(messages, tools, template, full, i)
         return at if lo <= at <= first else first
 
