@@ -119,7 +119,7 @@ def test_environment_name_with_an_unknown_section(
         2,
         "environment JOB_OUTPUTS__URI",
         "no settings section 'outputs'",
-        "the sections are model, layers, data, backend, output, work, generate, log",
+        "the sections are model, layers, data, backend, output, work, generate, preflight, log",
         "JOB_OUTPUT__URI for output.uri",
     )
     assert not (tmp_path / "out").exists() and list(scratch.iterdir()) == []
@@ -781,7 +781,8 @@ def test_every_command_has_its_own_help(run_job: Callable[..., Any]) -> None:
     assert "COMMAND" in helps[""] and "--version" in helps[""]
     assert helps["run"].startswith("usage: python -m job run") and "--section.key=value" in helps["run"]
     assert "--verify" in helps["inspect"] and "--config" not in helps["inspect"]
-    assert "--format speculators SRC DST" in helps["export"] and "--allow-incomplete" in helps["export"]
+    assert "--format speculators [--hidden-states copy|reference] SRC DST" in helps["export"]
+    assert "--allow-incomplete" in helps["export"]
     assert "--reference" in helps["compare"]
 
 

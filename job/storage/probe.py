@@ -19,9 +19,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from job.checksum import crc64nvme_file
+from job.checksum import ALGORITHM, crc64nvme_file
 from job.errors import ConfigError
 from job.layout import index_dir_name
+from job.manifest import Checksum
 from job.settings import MIN_PART_SIZE, OutputSettings
 from job.storage import connect_transport, uri_scheme
 from job.storage.transport import PreconditionFailed
@@ -108,7 +109,7 @@ def _probe_object_store(output: OutputSettings, index: int) -> list[str]:
             part = Path(scratch) / "multipart"
             with part.open("wb") as f:  # two parts
                 f.write(os.urandom(1024) * (MIN_PART_SIZE // 1024 + 1))
-            transport.upload_new(part, large, crc64nvme_file(part))
+            transport.upload_new(part, large, Checksum(algorithm=ALGORITHM, value=crc64nvme_file(part)))
     finally:
         for key in (small, large):
             with contextlib.suppress(Exception):
