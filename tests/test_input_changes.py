@@ -21,22 +21,13 @@ import structlog
 pytest.register_assert_rewrite("s3_fixtures")
 
 from s3_fixtures import job_env as s3_job_env  # noqa: E402
+from test_resume import conversation  # noqa: E402
 
 from job.data.source import data_fingerprint, read_records, scan_input  # noqa: E402
 from job.errors import ConfigError  # noqa: E402
 from job.shards import read_manifest  # noqa: E402
 
 pytest_plugins = ["s3_fixtures"]
-
-
-def conversation(i: int) -> dict[str, Any]:
-    return {
-        "id": f"c-{i:03d}",
-        "messages": [
-            {"role": "user", "content": f"Question {i}: what is {i} + {i}?"},
-            {"role": "assistant", "content": f"{i} + {i} = {2 * i}."},
-        ],
-    }
 
 
 def jsonl(records: list[dict[str, Any]]) -> bytes:
