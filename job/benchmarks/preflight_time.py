@@ -8,7 +8,12 @@ docs/benchmarks/results.jsonl (``config: preflight``).
 
     python -m job.benchmarks.preflight_time --cases llama-compiled,llama-eager,deepseek-compiled
 
-CPU settings as the tests use them (vLLM's CPU build): a 1 GiB KV cache, 16-token blocks.
+CPU settings as the tests use them (vLLM's CPU build): a 1 GiB KV cache, 16-token blocks. With
+``--gpu``, GPU settings (vLLM's own KV sizing at ``--gpu-memory-utilization``, larger steps), and
+cases may name a model of ``python -m job bench`` (``bench:kimi-k2-proxy``): its real
+architecture's config with vLLM's dummy weights and the tiny Llama's tokenizer, for both commands::
+
+    python -m job.benchmarks.preflight_time --gpu --cases bench:kimi-k2-proxy
 """
 
 from __future__ import annotations
@@ -27,13 +32,16 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "docs" / "benchmarks" / "results.jsonl"
-COMMON = (
-    "--backend.name=vllm",
+COMMON = ("--backend.name=vllm", "--data.tokenizer_workers=0", "--log.format=json")
+CPU_SETTINGS = (
     "--backend.vllm.max_num_batched_tokens=128",
     "--backend.vllm.max_num_seqs=4",
     "--data.max_length=256",
-    "--data.tokenizer_workers=0",
-    "--log.format=json",
+)
+GPU_SETTINGS = (
+    "--backend.vllm.max_num_batched_tokens=8192",
+    "--backend.vllm.max_num_seqs=64",
+    "--data.max_length=4096",
 )
 CASES: dict[str, tuple[list[str], dict[str, str]]] = {
     "llama-compiled": (["--model.path=builtin:tiny-llama"], {}),
@@ -52,6 +60,18 @@ CASES: dict[str, tuple[list[str], dict[str, str]]] = {
         {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     ),
 }
+
+
+def _case(case: str, scratch: Path) -> tuple[list[str], dict[str, str]]:
+    """A case's settings and environment; ``bench:<model>``: that bench model, dummy weights."""
+    if not case.startswith("bench:"):
+        return CASES[case]
+    from job.benchmarks.throughput import _chat_model
+
+    name = case.split(":", 1)[1]
+    model_dir, _ = _chat_model(argparse.Namespace(model=name, work_dir=str(scratch)))
+    dummy = '--backend.vllm.engine_args={"load_format": "dummy"}'
+    return [f"--model.path={model_dir}", dummy], {}
 
 
 def _run(command: str, args: list[str], env: dict[str, str]) -> tuple[float, list[dict[str, Any]]]:
@@ -74,11 +94,26 @@ def _instant(events: list[dict[str, Any]], name: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="llama-compiled,llama-eager,deepseek-compiled")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--gpu", action="store_true", help="GPU settings (default: the tests' CPU settings)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     options = parser.parse_args()
+    if options.gpu:
+        memory = f"--backend.vllm.gpu_memory_utilization={options.gpu_memory_utilization}"
+        device_args = [*GPU_SETTINGS, memory]
+        device_env: dict[str, str] = {}
+    else:
+        device_args = list(CPU_SETTINGS)
+        device_env = {"VLLM_CPU_KVCACHE_SPACE": "1", "JOB_BACKEND__VLLM__ENGINE_ARGS": '{"block_size": 16}'}
     import vllm
 
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -86,12 +121,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="preflight-bench-") as scratch:
         cache = os.environ.get("JOB_CACHE_DIR") or str(Path(scratch) / "cache")
         for case in options.cases.split(","):
-            args, extra = CASES[case]
+            case_args, extra = _case(case, Path(scratch))
+            args = [*device_args, *case_args]
             env = {
                 **{k: v for k, v in os.environ.items() if not k.startswith("JOB_")},
                 "JOB_CACHE_DIR": cache,
-                "VLLM_CPU_KVCACHE_SPACE": "1",
-                "JOB_BACKEND__VLLM__ENGINE_ARGS": '{"block_size": 16}',
+                **device_env,
                 **extra,
             }
             out = Path(scratch) / case
@@ -108,8 +143,9 @@ def main() -> None:
                 "run_id": run_id,
                 "config": "preflight",
                 "case": case,
-                "model": next(a for a in args if a.startswith("--model.path=")).split("=", 1)[1],
+                "model": case_args[0].removeprefix("--model.path=") if case in CASES else case,
                 "cpu": platform.processor() or platform.machine(),
+                "gpu": _gpu_name() if options.gpu else None,
                 "cores": os.cpu_count(),
                 "vllm": vllm.__version__,
                 "tensor_parallel_size": 2 if "tp2" in case else 1,
@@ -121,7 +157,8 @@ def main() -> None:
                 "run_engine_startup_seconds": round(startup, 1),
                 "run_tokens": finished["tokens"],
                 "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],
-                "notes": "process wall times; run without preflight; CPU build, shared 2-core machine",
+                "notes": "process wall times; run without preflight; "
+                + ("GPU, dummy weights for both" if options.gpu else "CPU build, shared 2-core machine"),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -20,6 +20,19 @@ requests it held: where extraction waited on generation shows there.
 
 Defaults fit a CPU build of vLLM and a builtin tiny model (the ratio is the CPU proxy of a GPU
 run's); rows are appended to ``--out``/results.jsonl and printed as a markdown table.
+
+On a GPU, ``--bench-model`` takes a real architecture's config with vLLM's dummy weights (the models of
+``python -m job bench``) and ``--user-tokens`` one-turn conversations of that median length, as the
+GPU runs of docs/benchmarks.md, e.g.::
+
+    python -m job.benchmarks.regeneration --bench-model llama-3.1-8b --user-tokens 600 \
+        --conversations 200 --user-turns 1 --mode last_turn --max-new-tokens 512 --temperature 0.7 \
+        --dtype bfloat16 --compiled --max-num-seqs 128 --max-num-batched-tokens 16384 \
+        --max-length 8192 --shard-bytes 2GiB --engine-args '{}' --gpu-memory-utilization 0.7
+
+Every turn the job's backend generated alone goes to ``<work-dir>/generation_requests.jsonl``, so
+that ``python -m job bench --groups regenerate_plain --work-dir <work-dir>`` times plain
+``LLM.generate`` on the same requests and seeds.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +69,7 @@ def _settings(args: argparse.Namespace, data: Path, out: Path, generating: bool)
     from job.settings import load_settings
 
     cli = [
-        f"--model.path={args.model}",
+        f"--model.path={args.model_dir}",
         f"--model.dtype={args.dtype}",
         f"--data.path={data}",
         f"--data.max_length={args.max_length}",
@@ -69,6 +83,8 @@ def _settings(args: argparse.Namespace, data: Path, out: Path, generating: bool)
         f"--output.shard_bytes={args.shard_bytes}",
         f"--log.level={args.log_level}",
     ]
+    if args.gpu_memory_utilization:
+        cli.append(f"--backend.vllm.gpu_memory_utilization={args.gpu_memory_utilization}")
     if generating:
         cli += [
             "--data.format=openai",
@@ -82,10 +98,21 @@ def _settings(args: argparse.Namespace, data: Path, out: Path, generating: bool)
     return load_settings(cli_args=cli)
 
 
-def regenerate_only(setup: Any, backend: Any) -> tuple[float, list[EncodedSample]]:
+@dataclass
+class Generated:
+    """What ``regenerate_only`` did: seconds from the first turn to the last, the finished samples,
+    the turns asked for (in order) and the tokens generated for them."""
+
+    seconds: float
+    samples: list[EncodedSample]
+    asked: list[GenerationInput]
+    tokens: int
+
+
+def regenerate_only(setup: Any, backend: Any) -> Generated:
     """Every conversation of ``setup``'s data regenerated through ``backend``, nothing extracted:
     the job's regeneration stage, fed as fast as the engine takes turns. Returns the seconds from
-    the first turn to the last and the finished samples."""
+    the first turn to the last, the finished samples and the turns asked for, in order."""
     from job.data.source import read_records
 
     regenerator = setup.regenerator(max_active=backend.concurrent_generations)
@@ -97,10 +124,13 @@ def regenerate_only(setup: Any, backend: Any) -> tuple[float, list[EncodedSample
             raise RuntimeError(f"sample {record.sample_id} was not regenerated: {start}")
         starts.append(start)
 
+    asked: list[GenerationInput] = []
+
     def feed() -> Iterator[GenerationInput | None]:
         while True:
             while regenerator.ready:
-                yield regenerator.ready.popleft()
+                asked.append(regenerator.ready.popleft())
+                yield asked[-1]
             if starts and regenerator.has_room:
                 regenerator.start(starts.popleft())
                 continue
@@ -109,14 +139,24 @@ def regenerate_only(setup: Any, backend: Any) -> tuple[float, list[EncodedSample
             yield None  # turns in flight: the backend runs them
 
     started = time.perf_counter()
+    tokens = 0
     for item in backend.extract(feed()):
         assert isinstance(item, Completion)
+        tokens += len(item.token_ids)
         regenerator.complete(item)
     seconds = time.perf_counter() - started
     samples = [s for s in regenerator.finished if isinstance(s, EncodedSample)]
     if len(samples) != len(records):
         raise RuntimeError(f"{len(records) - len(samples)} conversations were not regenerated")
-    return seconds, samples
+    return Generated(seconds, samples, asked, tokens)
+
+
+def _write_requests(requests: list[GenerationInput], path: Path) -> None:
+    """The turns as ``python -m job bench --groups regenerate_plain`` reads them."""
+    with path.open("w") as f:
+        for r in requests:
+            line = {"prompt": r.prompt_ids.tolist(), "max_new_tokens": r.max_new_tokens, "seed": r.seed}
+            f.write(json.dumps(line) + "\n")
 
 
 def _write_tokenized(samples: list[EncodedSample], path: Path) -> None:
@@ -189,13 +229,9 @@ class StepTrace:
         return lines
 
 
-def _model_runner(backend: Any) -> str:
-    runner = str(backend.info.get("model_runner") or "")
-    return "v2" if ".worker.gpu.model_runner." in runner or ".worker.cpu.model_runner." in runner else "v1"
-
-
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from job.backends import create_backend
+    from job.benchmarks.throughput import model_runner_label
     from job.logs import configure_logging
     from job.pipeline.runner import run_job
     from job.pipeline.setup import prepare_run
@@ -205,7 +241,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     data = work / "conversations.jsonl"
-    _conversations(data, args.conversations, args.user_turns)
+    if args.bench_model:
+        args.model_dir = _bench_model(args, data)
+    else:
+        args.model_dir = args.model
+        _conversations(data, args.conversations, args.user_turns)
     settings = _settings(args, data, work / "out-job", generating=True)
     configure_logging(settings.log)
     setup = prepare_run(settings)
@@ -215,9 +255,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         warm_setup = prepare_run(_settings(args, _head(data, work, 4), work / "out-warm", generating=True))
         regenerate_only(warm_setup, backend)
         common = {
-            "model": args.model,
+            "model": args.bench_model or args.model,
+            "dummy_weights": bool(args.bench_model),
             "vllm": backend.vllm_version,
-            "model_runner": _model_runner(backend),
+            "model_runner": model_runner_label(str(backend.info.get("model_runner") or "")),
             "device": backend.vllm_config.device_config.device_type,
             "conversations": args.conversations,
             "user_turns": args.user_turns,
@@ -228,7 +269,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         }
         for round_ in range(args.rounds):
             with StepTrace(backend) as generation_trace:
-                generation_seconds, samples = regenerate_only(setup, backend)
+                generated = regenerate_only(setup, backend)
+            samples = generated.samples
+            if round_ == 0:
+                _write_requests(generated.asked, work / "generation_requests.jsonl")
             tokenized = work / f"regenerated-{round_}.jsonl"
             _write_tokenized(samples, tokenized)
             extraction_out = work / f"out-extract-{round_}"
@@ -240,9 +284,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             alone = {s.sample_id: s.input_ids for s in samples}
             written = {s.sample_id: s.input_ids.numpy() for s in iter_output(job_out)}
             same = sum(1 for k, ids in written.items() if k in alone and (alone[k] == ids).all())
-            parts = generation_seconds + extraction["extract_seconds"]
+            parts = generated.seconds + extraction["extract_seconds"]
             parts_steps = generation_trace.steps + extraction_trace.steps
-            generated = sum(len(s.input_ids) for s in samples)
+            sequence_tokens = sum(len(s.input_ids) for s in samples)
             load = {"load_average": round(os.getloadavg()[0], 1)}  # the machine's, at the round's end
             rows += [
                 {
@@ -250,7 +294,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     **load,
                     "config": "regenerate_generation",
                     "round": round_,
-                    "seconds": round(generation_seconds, 3),
+                    "seconds": round(generated.seconds, 3),
+                    "generated_tokens": generated.tokens,
+                    "tok_per_s": round(generated.tokens / generated.seconds, 1),
                     "engine_steps": generation_trace.steps,
                     "notes": "the regeneration stage alone on the job's engine, nothing extracted",
                 },
@@ -277,7 +323,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "parts_engine_steps": parts_steps,
                     "steps_ratio_to_parts": round(trace.steps / parts_steps, 3),
                     "tokens": job["tokens"],
-                    "sequence_tokens": generated,
+                    "sequence_tokens": sequence_tokens,
                     "shards": job["shards"],
                     "samples": job["written"],
                     "same_samples": same,
@@ -297,6 +343,26 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _bench_model(args: argparse.Namespace, data: Path) -> Path:
+    """A real architecture's config (vLLM's dummy weights) with the tiny Llama's tokenizer and chat
+    template, and ``--conversations`` one-turn conversations of lognormal user turns: the model and
+    data of ``python -m job bench``'s regeneration groups."""
+    from job.benchmarks import throughput
+
+    if args.user_turns != 1:
+        raise SystemExit("--bench-model: conversations have one user turn (--user-turns 1)")
+    bench = argparse.Namespace(
+        model=args.bench_model,
+        work_dir=str(data.parent),
+        num_prompts=args.conversations,
+        median_tokens=args.user_tokens,
+        max_tokens=args.max_length // 2,
+    )
+    model_dir, _ = throughput._chat_model(bench)
+    throughput._conversations(bench, model_dir).rename(data)
+    return model_dir
+
+
 def _head(data: Path, work: Path, count: int) -> Path:
     head = work / "warm.jsonl"
     head.write_text("".join(data.read_text().splitlines(keepends=True)[:count]))
@@ -304,10 +370,19 @@ def _head(data: Path, work: Path, count: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from job.benchmarks.throughput import MODELS
+
     ap = argparse.ArgumentParser(
         prog="python -m job.benchmarks.regeneration", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("--model", default="builtin:tiny-chatml")
+    ap.add_argument(
+        "--bench-model",
+        choices=sorted(k for k, v in MODELS.items() if v is not None),
+        help="instead of --model: this architecture with vLLM's dummy weights (GPU runs)",
+    )
+    ap.add_argument("--user-tokens", type=int, default=600, help="--bench-model: median user-turn tokens")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.0, help="0: the job's default")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--mode", default="all_turns", choices=["all_turns", "last_turn"])
     ap.add_argument("--conversations", type=int, default=48)
@@ -327,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="results.jsonl goes here (none: print only)")
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
+    if args.bench_model:
+        args.engine_args = json.dumps({**json.loads(args.engine_args), "load_format": "dummy"})
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     rows = run(args)
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

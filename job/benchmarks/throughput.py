@@ -1341,6 +1341,7 @@ def _worker_regenerate(args: argparse.Namespace) -> dict[str, Any]:
             compiled,
             tokens=generated,
             prompt_tokens=int(sum(map(len, prompts))),
+            model_runner=model_runner_label(str(backend.info.get("model_runner") or "")),
             notes=f"the job's vLLM backend generating only; tok/s counts the {generated} generated tokens",
         )
     ]
@@ -1387,6 +1388,17 @@ def _turns_as_generated_alone(out: Path, requests: list[Any], alone: dict[str, A
     return same
 
 
+def model_runner_label(runner: str) -> str:
+    """``v2`` for Model Runner V2 (``vllm.v1.worker.gpu.model_runner``, and the CPU build's runner
+    derived from it), else ``v1``; ``runner``: the runner's module and class name."""
+    return "v2" if ".worker.gpu.model_runner." in runner or ".worker.cpu.model_runner." in runner else "v1"
+
+
+def _runner_name(worker: Any) -> str:
+    """In each worker: its model runner's module and class (sent by reference: a top-level function)."""
+    return f"{type(worker.model_runner).__module__}.{type(worker.model_runner).__qualname__}"
+
+
 def _worker_regenerate_plain(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -1401,6 +1413,7 @@ def _worker_regenerate_plain(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     llm = LLM(**_engine_kwargs(args, model_dir, dummy, eager=False))
     load_seconds = time.perf_counter() - started
+    model_runner = model_runner_label(llm.collective_rpc(_runner_name)[0])
 
     def params(r: dict[str, Any], seeded: bool) -> Any:
         return SamplingParams(
@@ -1427,6 +1440,7 @@ def _worker_regenerate_plain(args: argparse.Namespace) -> dict[str, Any]:
                 True,
                 tokens=generated,
                 load_seconds=round(load_seconds, 1),
+                model_runner=model_runner,
                 notes="LLM.generate, " + ("seeded per request as the job" if seeded else "no seeds"),
             )
         )
