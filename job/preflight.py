@@ -32,10 +32,9 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import ByteSize
 
 from job.data.encode import EncodedSample, GenerationStart, RejectedSample
 from job.data.source import Record, read_records
@@ -44,6 +43,9 @@ from job.errors import EXIT_CONFIG, EXIT_FAILURE, ConfigError, JobError
 from job.logs import configure_logging, get_logger
 from job.pipeline.setup import RunSetup, prepare_run
 from job.settings import JobSettings
+
+if TYPE_CHECKING:
+    from job.backends.vllm_engine import EngineMemory
 
 PREFLIGHT_EVENTS = "preflight"  # the prefix of the preflight's own log events (others get "preflight.")
 DATA, OUTPUT, ENGINE = "data", "output", "engine"
@@ -121,6 +123,7 @@ class PreflightReport:
     proven: list[str] = field(default_factory=list)
     not_proven: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # by stage, and "total"
+    memory: dict[str, Any] = field(default_factory=dict)  # FullDepthMemory's fields, where estimated
 
     def text(self) -> str:
         lines = ["preflight passed", "proven:"]
@@ -279,7 +282,7 @@ def _check_engine(setup: RunSetup, report: PreflightReport, log: Any) -> None:
                 sample_limit=settings.preflight.samples,
                 check_weights=False,
             )
-            info = backend.info
+            info, memory = backend.info, backend.memory
         finally:
             backend.close()
         checked = _read_back(scratch / "out", setup, totals)
@@ -303,9 +306,12 @@ def _check_engine(setup: RunSetup, report: PreflightReport, log: Any) -> None:
         f"pipeline: {checked}",
         f"layer sources at full depth: {sources}",
     ]
+    kinds = layer_kinds(model.config.get("text_config") or model.config)
+    estimate = full_depth_memory(memory, reduction, kinds)
+    report.memory = asdict(estimate)
     report.not_proven += [
         "the weights themselves (none was read: load format dummy)",
-        _memory_estimate(setup),
+        estimate.check(settings.backend.vllm.gpu_memory_utilization),
     ]
 
 
@@ -341,25 +347,60 @@ def _check_sources(sources: dict[int, str], mode: str | None) -> None:
         raise RuntimeError(f"capture mode {mode}: layer ids {wrong} have sources outside {sorted(allowed)}")
 
 
-def _memory_estimate(setup: RunSetup) -> str:
-    """The weights at full depth, from the weight files' sizes (their metadata, not their bytes)."""
-    tp, utilization = (
-        setup.settings.backend.tensor_parallel_size,
-        setup.settings.backend.vllm.gpu_memory_utilization,
-    )
-    total = 0
-    for path in setup.model.path.iterdir():
-        if path.name.endswith((".safetensors", ".bin", ".pt")):
-            try:
-                total += path.stat().st_size
-            except OSError:
-                continue
-    if not total:
-        return "memory at full depth (no weight files found to estimate it from)"
-    return (
-        f"memory at full depth: the weights are {ByteSize(total).human_readable()} on disk, about "
-        f"{ByteSize(total // tp).human_readable()} per GPU at TP={tp} (estimate), plus the KV cache "
-        f"vLLM sizes to backend.vllm.gpu_memory_utilization {utilization}"
+@dataclass(frozen=True)
+class FullDepthMemory:
+    """One rank's memory at the target's full depth, estimated from the reduced engine: each
+    kind of decoder layer weighs what the reduced model's layer of that kind weighs, and on a GPU
+    the weights the reduced model lacks come out of the KV cache vLLM sized for it (activations
+    and CUDA graphs are about the same at both depths). On a CPU build the KV cache is a fixed
+    space (VLLM_CPU_KVCACHE_SPACE) beside the weights."""
+
+    device: str
+    reduced_weight_bytes: int  # as built
+    reduced_kv_cache_bytes: int  # as built
+    weight_bytes: int  # at full depth
+    kv_cache_bytes: int  # at full depth
+    kv_tokens: int  # tokens that KV cache holds at full depth
+    max_model_len: int
+
+    def check(self, gpu_memory_utilization: float) -> str:
+        """The estimate as a report line; on a GPU, ConfigError where vLLM would find no room for
+        one sample's KV cache at full depth (it would stop only after the real model's load)."""
+        gib = 1024**3
+        weights, built = self.weight_bytes / gib, self.reduced_weight_bytes / gib
+        text = (
+            f"memory at full depth (estimated from the reduced model, per GPU): weights about "
+            f"{weights:.1f} GiB ({built:.1f} GiB built), KV cache about {self.kv_cache_bytes / gib:.1f} "
+            f"GiB, about {self.kv_tokens} tokens"
+        )
+        if self.device != "cuda" or self.kv_tokens >= self.max_model_len:
+            return text
+        raise PreflightFailed(
+            f"preflight: memory: at full depth the weights need about {weights:.1f} GiB per GPU, "
+            f"{weights - built:.1f} GiB more than the reduced model the preflight built, which had "
+            f"{self.reduced_kv_cache_bytes / gib:.1f} GiB left for its KV cache at "
+            f"backend.vllm.gpu_memory_utilization {gpu_memory_utilization}: about {max(self.kv_tokens, 0)} "
+            f"tokens would fit at full depth, fewer than one sample of max_model_len {self.max_model_len}, "
+            "and vLLM would stop after loading the real weights. Raise backend.vllm.gpu_memory_utilization, "
+            "spread the model over more GPUs (backend.tensor_parallel_size), or lower data.max_length"
+        )
+
+
+def full_depth_memory(memory: EngineMemory, reduction: Reduction, kinds: list[str]) -> FullDepthMemory:
+    """``memory`` of the reduced engine scaled to the ``kinds`` of every layer of the target."""
+    built = memory.weight_bytes
+    if reduction.why_full is not None:  # the engine was built at full depth
+        full, kv_bytes, kv_tokens = built, memory.kv_cache_bytes, memory.kv_tokens
+    else:
+        by_kind: dict[str, int] = {}
+        for kind, size in zip(reduction.kinds, memory.layer_weight_bytes, strict=True):
+            by_kind[kind] = max(by_kind.get(kind, 0), size)
+        full = built - sum(memory.layer_weight_bytes) + sum(by_kind[kind] for kind in kinds)
+        kv_bytes = memory.kv_cache_bytes - (full - built if memory.device == "cuda" else 0)
+        per_token = memory.kv_cache_bytes / max(memory.kv_tokens, 1) * len(kinds) / reduction.depth
+        kv_tokens = int(kv_bytes // per_token) if per_token else 0
+    return FullDepthMemory(
+        memory.device, built, memory.kv_cache_bytes, full, kv_bytes, kv_tokens, memory.max_model_len
     )
 
 

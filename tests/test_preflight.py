@@ -16,9 +16,10 @@ pytest.register_assert_rewrite("s3_fixtures")
 
 from s3_fixtures import ADMIN_KEY, ADMIN_SECRET  # noqa: E402
 
+from job.backends.vllm_engine import EngineMemory  # noqa: E402
 from job.errors import EXIT_CONFIG  # noqa: E402
 from job.model import eagle3_default_layer_ids  # noqa: E402
-from job.preflight import layer_kinds, reduce_depth  # noqa: E402
+from job.preflight import PreflightFailed, full_depth_memory, layer_kinds, reduce_depth  # noqa: E402
 from job.settings import OutputSettings  # noqa: E402
 from job.storage.probe import probe_output  # noqa: E402
 
@@ -38,6 +39,57 @@ def test_kimi_k2_keeps_a_dense_layer_a_moe_layer_and_the_layers_each_id_reads() 
     assert reduction.layer_ids == [2, 3, 4, 5]  # inside the stack stays inside, N stays N
     assert reduction.kinds == ["dense", "moe", "moe", "moe", "moe"]
     assert reduction.hf_overrides == {"text_config": {"num_hidden_layers": 5, "first_k_dense_replace": 1}}
+
+
+GIB = 1024**3
+
+
+def _kimi_reduced_engine(device: str, kv_cache_gib: float) -> EngineMemory:
+    """A Kimi-K2-shaped rank as the preflight builds it (5 of 61 layers): 2 GiB outside the
+    layers, a dense layer of 0.5 GiB, MoE layers of 8 GiB; 16 KiB of KV cache per token."""
+    return EngineMemory(
+        device=device,
+        weight_bytes=int((2 + 0.5 + 4 * 8) * GIB),
+        layer_weight_bytes=[GIB // 2, 8 * GIB, 8 * GIB, 8 * GIB, 8 * GIB],
+        kv_cache_bytes=int(kv_cache_gib * GIB),
+        kv_tokens=int(kv_cache_gib * GIB) // (16 * 1024),
+        max_model_len=8193,
+    )
+
+
+def test_memory_at_full_depth_scales_each_layer_kind_and_takes_the_extra_weights_from_the_kv_cache() -> None:
+    reduction = reduce_depth(KIMI_K2, eagle3_default_layer_ids(61))
+    kinds = layer_kinds(KIMI_K2["text_config"])
+    estimate = full_depth_memory(_kimi_reduced_engine("cuda", 500), reduction, kinds)
+    assert estimate.weight_bytes == int((2 + 0.5 + 60 * 8) * GIB)
+    assert estimate.kv_cache_bytes == int((500 - 56 * 8) * GIB)  # 56 MoE layers more than built
+    assert estimate.kv_tokens == int(estimate.kv_cache_bytes // (16 * 1024 * 61 / 5))  # KV per token x 61/5
+    assert "weights about 482.5 GiB (34.5 GiB built)" in estimate.check(0.9)
+    # On a CPU build the KV cache is a fixed space beside the weights: only the estimate is said.
+    on_cpu = full_depth_memory(_kimi_reduced_engine("cpu", 20), reduction, kinds)
+    assert on_cpu.kv_cache_bytes == 20 * GIB and "KV cache about 20.0 GiB" in on_cpu.check(0.9)
+
+
+def test_a_gpu_without_room_for_one_sample_at_full_depth_fails_the_preflight_naming_the_settings() -> None:
+    """The reduced engine fits (vLLM built it), but the 56 MoE layers it lacks take more than its
+    KV cache: vLLM would stop after loading the real weights."""
+    reduction = reduce_depth(KIMI_K2, eagle3_default_layer_ids(61))
+    estimate = full_depth_memory(
+        _kimi_reduced_engine("cuda", 400), reduction, layer_kinds(KIMI_K2["text_config"])
+    )
+    assert estimate.kv_cache_bytes < 0
+    with pytest.raises(PreflightFailed) as failed:
+        estimate.check(0.85)
+    assert failed.value.exit_code == EXIT_CONFIG
+    message = str(failed.value)
+    for words in (
+        "448.0 GiB more",
+        "backend.vllm.gpu_memory_utilization 0.85",
+        "max_model_len 8193",
+        "backend.tensor_parallel_size",
+        "data.max_length",
+    ):
+        assert words in message, words
 
 
 def test_layer_ids_at_the_ends_keep_their_capture_source() -> None:

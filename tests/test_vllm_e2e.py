@@ -96,6 +96,10 @@ def test_the_preflight_passed_first_and_a_run_without_it_writes_the_same_samples
     names = [e["event"] for e in events]
     assert names.index("preflight_passed") < names.index("run_started") < names.index("adapter_selected")
     passed = events[names.index("preflight_passed")]
+    # Its memory estimate at full depth, from the reduced model's layers, is what the run built.
+    built = next(e for e in events if e["event"] == "capture_installed")
+    assert passed["memory"]["weight_bytes"] == built["weight_bytes"]
+    assert passed["memory"]["reduced_weight_bytes"] < built["weight_bytes"]
     without = with_preflight.parent / "vllm-without-preflight"
     run_vllm_job(
         [

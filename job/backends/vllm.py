@@ -27,6 +27,7 @@ from job.backends.vllm_engine import (
     STEP,
     AdapterMismatch,
     Engine,
+    EngineMemory,
     EngineSpec,
     build_engine,
 )
@@ -112,6 +113,18 @@ class VllmBackend(Backend):
     @property
     def capture_info(self) -> dict[str, Any]:
         return self.engine.capture_info
+
+    @property
+    def memory(self) -> EngineMemory:
+        """One rank's weights (whole model and per decoder layer) and KV cache, as built."""
+        return EngineMemory(
+            device=self.vllm_config.device_config.device_type,
+            weight_bytes=int(self.capture_info["weight_bytes"]),
+            layer_weight_bytes=[int(b) for b in self.capture_info["layer_weight_bytes"]],
+            kv_cache_bytes=self.engine.kv_cache_bytes,
+            kv_tokens=self.engine.kv_blocks * self.engine.block_size,
+            max_model_len=self.vllm_config.model_config.max_model_len,
+        )
 
     @property
     def info(self) -> dict[str, Any]:

@@ -121,6 +121,19 @@ def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class EngineMemory:
+    """What one rank of a started engine holds: its weights (the whole model's, and each decoder
+    layer's) and its KV cache, in bytes, and how many tokens the KV cache holds."""
+
+    device: str  # vLLM's device type: cuda, cpu, ...
+    weight_bytes: int
+    layer_weight_bytes: list[int]
+    kv_cache_bytes: int
+    kv_tokens: int
+    max_model_len: int
+
+
 @dataclass
 class Engine:
     """A started engine: executor (one worker process per TP rank) with capture installed and
@@ -138,6 +151,7 @@ class Engine:
     hash_block_size: int = 0
     kv_blocks: int = 0
     block_size: int = 0
+    kv_cache_bytes: int = 0  # one rank's KV cache
     _closed: bool = False
 
     @property
@@ -260,4 +274,5 @@ def _start(engine: Engine, layer_ids: list[int], mode: str, log: Any) -> None:
         engine.block_hasher = adapters.block_hasher(vllm_config, kv.hash_block_size)
     engine.hash_block_size, engine.block_size = kv.hash_block_size, kv.block_size
     engine.kv_blocks = kv.config.num_blocks
+    engine.kv_cache_bytes = sum(t.size for t in kv.config.kv_cache_tensors)
     executor.collective_rpc("hs_arm")

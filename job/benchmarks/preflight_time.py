@@ -74,7 +74,11 @@ def _case(case: str, scratch: Path) -> tuple[list[str], dict[str, str]]:
     return [f"--model.path={model_dir}", dummy], {}
 
 
-def _run(command: str, args: list[str], env: dict[str, str]) -> tuple[float, list[dict[str, Any]]]:
+def _run(
+    command: str, args: list[str], env: dict[str, str], log: Path | None
+) -> tuple[float, list[dict[str, Any]]]:
+    """Wall seconds and JSON log events of ``python -m job COMMAND``; its whole output (vLLM's own
+    timings among it) goes to ``log`` where given."""
     started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "job", command, *COMMON, *args],
@@ -84,6 +88,8 @@ def _run(command: str, args: list[str], env: dict[str, str]) -> tuple[float, lis
         timeout=1800,
     )
     seconds = time.monotonic() - started
+    if log is not None:
+        log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise SystemExit(f"{command} {args} failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return seconds, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -104,6 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="llama-compiled,llama-eager,deepseek-compiled")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--log-dir", help="each command's whole output (vLLM's timings among it) goes here")
     parser.add_argument("--gpu", action="store_true", help="GPU settings (default: the tests' CPU settings)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     options = parser.parse_args()
@@ -131,11 +138,18 @@ def main() -> None:
             }
             out = Path(scratch) / case
             load_before = os.getloadavg()[0]
-            preflight_s, events = _run("preflight", [*args, f"--output.uri={out}-pre"], env)
+            logs = Path(options.log_dir) if options.log_dir else None
+            name = case.replace(":", "-")
+            preflight_s, events = _run(
+                "preflight", [*args, f"--output.uri={out}-pre"], env, logs and logs / f"{name}.preflight.log"
+            )
             report = next(e for e in events if e["event"] == "preflight_passed")
             engine = next(e for e in events if e["event"] == "preflight_engine")
             run_s, run_events = _run(
-                "run", [*args, f"--output.uri={out}", "--preflight.before_run=false"], env
+                "run",
+                [*args, f"--output.uri={out}", "--preflight.before_run=false"],
+                env,
+                logs and logs / f"{name}.run.log",
             )
             startup = _instant(run_events, "vllm_ready") - _instant(run_events, "adapter_selected")
             finished = next(e for e in run_events if e["event"] == "run_finished")

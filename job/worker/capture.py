@@ -22,7 +22,9 @@ buffers, so step k+1's forward runs while step k is copied out.
 
 from __future__ import annotations
 
+import collections
 import inspect
+import itertools
 import queue
 import threading
 from typing import Any
@@ -157,6 +159,9 @@ class StepCapture:
             "pinned_host_buffers": self.pinned,
             "capture_buffer_bytes": sum(b.states.nbytes for b in self.step_buffers)
             + sum(t.nbytes for t in self.taps.values()),
+            # this rank's weights, and each decoder layer's: the preflight scales them to full depth
+            "weight_bytes": sum(t.nbytes for t in _tensors(self.worker.model_runner.get_model())),
+            "layer_weight_bytes": _own_bytes(list(self.layers)),
         }
 
     @property
@@ -338,6 +343,19 @@ class _StepBuffers:
         self.input_ids = torch.zeros(spec.max_tokens, dtype=torch.int32, device=device)
         self.positions = torch.zeros(spec.max_tokens, dtype=torch.int32, device=device)
         self.copy_done: torch.cuda.Event | None = None
+
+
+def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """A module's parameters and buffers on this rank (quantized ones as stored), each once."""
+    return list({id(t): t for t in itertools.chain(module.parameters(), module.buffers())}.values())
+
+
+def _own_bytes(layers: list[torch.nn.Module]) -> list[int]:
+    """Each layer's bytes, less tensors it shares with another layer (vLLM hands every layer the
+    same rotary-embedding module): those are the model's once, not the layer's."""
+    held = [_tensors(layer) for layer in layers]
+    owners = collections.Counter(id(t) for tensors in held for t in tensors)
+    return [sum(t.nbytes for t in tensors if owners[id(t)] == 1) for tensors in held]
 
 
 def _input_tap(buffer: torch.Tensor, position: int) -> Any:
