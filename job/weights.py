@@ -29,7 +29,7 @@ import math
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from job.errors import ConfigError
 
@@ -146,27 +146,38 @@ def _digest(path: Path) -> str:
     return _pickle_digest(path)
 
 
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """A safetensors file's header (tensor name -> dtype, shape, offsets; ``__metadata__``), as
+    read when check_weights passed the file."""
+    with path.open("rb") as f:
+        return json.loads(_read_header(f, path.stat().st_size))
+
+
+def _read_header(f: BinaryIO, size: int) -> bytes:
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise _Unusable(f"{size} bytes, too short for a safetensors file (truncated?)")
+    length = int.from_bytes(prefix, "little")
+    if length > min(size - 8, MAX_HEADER_BYTES):
+        raise _Unusable(
+            f"its header claims {length} bytes but the file has {size}: truncated, or not safetensors"
+        )
+    return f.read(length)
+
+
 def _safetensors_header_digest(path: Path) -> str:
     """The header's SHA-256, after checking what safetensors checks when it opens the file:
     a JSON header whose tensors lie back to back and end exactly at the end of the file."""
     size = path.stat().st_size
     with path.open("rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise _Unusable(f"{size} bytes, too short for a safetensors file (truncated?)")
-        length = int.from_bytes(prefix, "little")
-        if length > min(size - 8, MAX_HEADER_BYTES):
-            raise _Unusable(
-                f"its header claims {length} bytes but the file has {size}: truncated, or not safetensors"
-            )
-        header = f.read(length)
-        data = _sampled_digest(f, 8 + length, size)
+        header = _read_header(f, size)
+        data = _sampled_digest(f, 8 + len(header), size)
     try:
         tensors = json.loads(header)
         end = _tensor_data_end(tensors)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise _Unusable(f"its safetensors header is damaged ({type(exc).__name__}: {exc})") from None
-    described = 8 + length + end
+    described = 8 + len(header) + end
     if described != size:
         why = "truncated (an interrupted download or copy?)" if described > size else "bytes past the tensors"
         raise _Unusable(f"{size} bytes, but its header describes {described}: {why}")

@@ -4,14 +4,15 @@ Real files throughout: copies of builtin:tiny-llama (safetensors), split into an
 two-shard checkpoint, saved as torch.save pickles, truncated, with a damaged header, with
 other tensor values or other shapes. A model directory without weights, or with weights that
 cannot load, ends the run with exit 2 and an ``error:`` line naming model.path, before any model
-load, for the hf and the vLLM backend; a load error transformers raises for weights that passed
-the check (other shapes than config.json) is exit 2 as well. Resume with other weights is
-tests/test_resume.py.
+load, for the hf and the vLLM backend; so do tensors of other shapes than config.json gives them
+(job.weight_shapes: the architecture built on the meta device), naming the tensor and both shapes.
+Resume with other weights is tests/test_resume.py.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from job.errors import ConfigError
 from job.model import resolve_model
 from job.pipeline.setup import model_weights_fingerprint
 from job.settings import load_settings
+from job.weight_shapes import ShapeCheck, check_tensor_shapes
 from job.weights import check_weights, weights_fingerprint
 
 WEIGHTS = "model.safetensors"
@@ -200,25 +202,127 @@ def test_a_run_with_truncated_weights_exits_2_before_the_model_loads(
     assert not out.exists()  # refused before the output was opened
 
 
-def test_weights_of_other_shapes_exit_2_from_the_load(
-    run_job: Callable[..., Any], tiny_llama_dir: Path, tmp_path: Path, data: Path, fast_args: tuple[str, ...]
-) -> None:
-    """A well-formed file whose tensors do not fit config.json passes the check; transformers' load
-    error is then exit 2 too, not "unexpected, a rerun resumes"."""
-    model = copy_model(tiny_llama_dir, tmp_path / "model")
+# --- tensor shapes against config.json --------------------------------------------------------------
+
+OTHER_SHAPE = "model.layers.0.mlp.gate_proj.weight"
+
+
+def with_a_row_less(model: Path, name: str = OTHER_SHAPE) -> tuple[list[int], list[int]]:
+    """One tensor a row short: a well-formed file that check_weights passes. Its shape before and after."""
     tensors = load_file(model / WEIGHTS)
-    name = "model.layers.0.mlp.gate_proj.weight"
+    before = list(tensors[name].shape)
     tensors[name] = tensors[name][:-1].clone()
     save_file(tensors, model / WEIGHTS, metadata={"format": "pt"})
+    return before, list(tensors[name].shape)
+
+
+def config_of(model: Path) -> dict[str, Any]:
+    return json.loads((model / "config.json").read_text())
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3", "tiny-qwen3"])
+def test_the_builtin_models_shapes_fit_their_configs_tensor_for_tensor(
+    builtin_model: Callable[[str], Path], name: str
+) -> None:
+    """Every tensor under transformers 4.57; transformers 5 fuses MoE experts (other names: not
+    compared), and compares the rest."""
+    model = builtin_model(name)
+    check = check_tensor_shapes(model, config_of(model))
+    assert check.skipped is None and check.compared > 50, check
+
+
+def test_other_shapes_are_named_with_both_shapes_and_an_indexed_checkpoint_too(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    model = copy_model(tiny_llama_dir, tmp_path / "model")
+    want, got = with_a_row_less(model)
+    with pytest.raises(ConfigError) as caught:
+        check_tensor_shapes(model, config_of(model))
+    assert str(caught.value) == (
+        f"model.path {model}: 1 of 75 weight tensors do not fit its config.json (LlamaForCausalLM): "
+        f"{OTHER_SHAPE} in model.safetensors has shape {got}, config.json makes it {want}; the weights "
+        "belong to another model: copy or download the model's weights again, or point model.path at "
+        "the model they belong to"
+    )
+    shards = split_in_two(model)
+    with pytest.raises(ConfigError, match=re.escape(f"{OTHER_SHAPE} in {shards[0]} has shape {got}")):
+        check_tensor_shapes(model, config_of(model))
+
+
+def test_what_cannot_be_compared_is_skipped_with_the_reason(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """Conservative: a check that cannot tell a real mismatch from a layout of its own says so and
+    passes; only names both sides have are compared."""
+    model = copy_model(tiny_llama_dir, tmp_path / "model")
+    with_a_row_less(model)
+    config = config_of(model)
+    quantized = {**config, "quantization_config": {"quant_method": "compressed-tensors"}}
+    assert check_tensor_shapes(model, quantized) == ShapeCheck(
+        skipped="a quantized checkpoint (quantization_config)"
+    )
+    # A tensor only the checkpoint has (renamed, fused): not compared; the others are.
+    tensors = load_file(model / WEIGHTS)
+    tensors["model.layers.0.mlp.gate_up_proj.weight"] = tensors.pop(OTHER_SHAPE)
+    save_file(tensors, model / WEIGHTS, metadata={"format": "pt"})
+    assert check_tensor_shapes(model, config) == ShapeCheck(compared=74, tensors=75)
+    # An architecture transformers does not know (remote code).
+    unknown = copy_model(tiny_llama_dir, tmp_path / "unknown")
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "not-in-transformers"}))
+    check = check_tensor_shapes(unknown, config_of(unknown))
+    assert check.compared == 0 and (check.skipped or "").startswith(
+        "transformers cannot build the architecture"
+    )
+
+
+@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=needs_vllm)])
+def test_weights_of_other_shapes_exit_2_before_the_model_loads(
+    run_job: Callable[..., Any],
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    data: Path,
+    fast_args: tuple[str, ...],
+    backend: str,
+) -> None:
+    """transformers would refuse them at the load ("size mismatch"), vLLM inside its worker
+    ("WorkerProc initialization failed", exit 1 after the engine's start-up): the check before
+    either names the tensor and both shapes, exit 2."""
+    model = copy_model(tiny_llama_dir, tmp_path / "model")
+    want, got = with_a_row_less(model)
     result = run_job(
-        "run", f"--model.path={model}", f"--data.path={data}", f"--output.uri={tmp_path / 'out'}", *fast_args
+        "run",
+        f"--backend.name={backend}",
+        f"--model.path={model}",
+        f"--data.path={data}",
+        f"--output.uri={tmp_path / 'out'}",
+        "--log.format=json",
+        *fast_args,
+        env=VLLM_CPU_ENV,
     )
     assert result.rc == 2, result.describe()
     (line,) = result.stderr.strip().splitlines()
-    assert line.startswith(f"error: model.path {model}: the weights do not load (tensors of other shapes"), (
+    assert line.startswith(f"error: model.path {model}: 1 of 75 weight tensors do not fit its config.json"), (
         line
     )
-    assert "size mismatch" in line and "point model.path at the model they belong to" in line
+    assert f"{OTHER_SHAPE} in model.safetensors has shape {got}, config.json makes it {want}" in line
+    assert not [e for e in result.events if e["event"] in ("adapter_selected", "run_started")]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_that_fits_logs_what_was_compared(
+    run_job: Callable[..., Any], tiny_llama_dir: Path, tmp_path: Path, data: Path, fast_args: tuple[str, ...]
+) -> None:
+    out = tmp_path / "out"
+    result = run_job(
+        "run",
+        f"--model.path={tiny_llama_dir}",
+        f"--data.path={data}",
+        f"--output.uri={out}",
+        "--log.format=json",
+        *fast_args,
+    )
+    assert result.rc == 0, result.describe()
+    assert result.event("run_finished")["written"] == 3
+    checked = result.event("weight_shapes_checked")
+    assert checked["compared"] == checked["tensors"] == 75 and checked["skipped"] is None, checked
 
 
 @needs_vllm

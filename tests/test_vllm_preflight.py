@@ -7,7 +7,9 @@ time, into the installed adapter set inside the job's own processes (a sitecusto
 the adapter's module as it is imported, in the driver and in vLLM's workers alike): requests built
 without the engine's block hasher, the Scheduler called the pre-0.11.1 way, a single-phase step
 (execute_model without sample_tokens), and a capture hook that expects a decoder layer to return
-one tensor. Each fails in the preflight with exit 2 and an error naming that concern.
+one tensor. Each fails in the preflight with exit 2 and an error naming that concern. A compiled
+capture's tap that expects one tensor fails in vLLM's compilation instead (Dynamo traces it, no hook
+call raises): a run without the preflight names it as well, with exit 2.
 
 Tests run as root here, which reads any file whatever its mode: the weight file is replaced by a
 symlink to nothing, which no one can read.
@@ -28,7 +30,7 @@ from conftest import vllm_job_env, with_sitecustomize
 
 from job.backends.vllm_engine import REQUESTS, SCHEDULER, STEP
 from job.errors import EXIT_CONFIG
-from job.worker.capture import CAPTURE_HOOK
+from job.worker.capture import CAPTURE_HOOK, CAPTURE_TAP
 
 if os.environ.get("REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed in this environment")
@@ -139,6 +141,18 @@ INJECTIONS = {
 }
 
 
+# A compiled capture's tap (job.worker.capture._output_tap) as if the layer returned one tensor.
+TAP_EXPECTING_ONE_TENSOR = """
+    def output_tap(buffer):
+        def hook(_module, _args, output):
+            buffer[: output.shape[0]].copy_(output)
+
+        return hook
+
+    module._output_tap = output_tap
+"""
+
+
 @pytest.fixture(scope="module")
 def unreadable_model(tmp_path_factory: pytest.TempPathFactory, builtin_model: Any) -> Path:
     """builtin:tiny-llama with its weight file replaced by a symlink to nothing."""
@@ -152,9 +166,11 @@ def unreadable_model(tmp_path_factory: pytest.TempPathFactory, builtin_model: An
     return model
 
 
-def _job(command: str, args: list[str], cache: Path, **env: str) -> tuple[int, list[dict[str, Any]], str]:
+def _job(
+    command: str, args: list[str], cache: Path, common: tuple[str, ...] = ARGS, **env: str
+) -> tuple[int, list[dict[str, Any]], str]:
     proc = subprocess.run(
-        [sys.executable, "-m", "job", command, *ARGS, *args],
+        [sys.executable, "-m", "job", command, *common, *args],
         env=vllm_job_env(cache, **env),
         capture_output=True,
         text=True,
@@ -206,3 +222,38 @@ def test_preflight_passes_without_reading_the_weights_and_run_refuses_them_befor
     )
     assert not [e for e in events if e["event"].startswith("preflight")]
     print(f"\nunreadable weights: preflight passed in {passed['seconds']}; run: {error}")
+
+
+def test_a_compiled_tap_failing_in_vllms_compilation_exits_2_without_the_preflight(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The run's own engine start-up, without the preflight: the tap fails while the worker's warm-up
+    compiles the model (vLLM reports "Worker failed with error ..."); the tap reported it through
+    the ring first, and the run ends with exit 2 naming it, nothing written."""
+    import vllm
+
+    from adapters import select_adapter_set
+
+    if select_adapter_set(vllm.__version__).facts.eagle_model_mixin:
+        pytest.skip(f"vLLM {vllm.__version__} gives every layer id of the tiny Llama as aux output: no tap")
+    pythonpath = with_sitecustomize(
+        tmp_path / "inject",
+        PATCH_ON_IMPORT.format(module="job.worker.capture", body=TAP_EXPECTING_ONE_TENSOR),
+    )
+    compiled = tuple(a for a in ARGS if not a.startswith("--backend.vllm.enforce_eager="))
+    out = tmp_path / "out"
+    rc, events, error = _job(
+        "run",
+        [f"--model.path={tiny_llama_dir}", f"--output.uri={out}", "--preflight.before_run=false"],
+        tmp_path / "cache",
+        common=(*compiled, "--backend.vllm.enforce_eager=false"),
+        PYTHONPATH=pythonpath,
+    )
+    assert rc == EXIT_CONFIG, (error, events[-3:])
+    assert error.startswith(f"error: backend.vllm.adapter_set: {CAPTURE_TAP} failed with adapter set"), error
+    assert "(layer id 8 on LlamaDecoderLayer: " in error and "does not fit the installed vLLM" in error
+    installed = next(e for e in events if e["event"] == "capture_installed")
+    assert installed["mode"] == "compiled" and installed["layer_sources"]["8"] == "tap"
+    assert not [e for e in events if e["event"].startswith("preflight")]
+    assert not [e for e in events if e["event"] == "shard_committed"]
+    print(f"\ncompiled tap, no preflight: {error}")

@@ -25,7 +25,6 @@ from job.backends.vllm_engine import (
     REQUESTS,
     SCHEDULER_UPDATE,
     STEP,
-    AdapterMismatch,
     Engine,
     EngineMemory,
     EngineSpec,
@@ -35,7 +34,6 @@ from job.backends.vllm_rows import RowReader
 from job.hidden_dtype import HiddenDtype
 from job.logs import get_logger
 from job.model import ModelInfo
-from job.worker.capture import WORKER_MISMATCHES
 from job.worker.ring import GENERATION_PREFIX, captured_step
 
 _EXHAUSTED = object()
@@ -296,12 +294,9 @@ class VllmBackend(Backend):
                     yield Completion(state[0], state[1], reason)
 
     def _check_worker_mismatch(self) -> None:
-        """A worker-side concern (capture hook, step layout) that reported through the ring."""
-        error = self.ring.worker_error or ""
-        concern = next((c for c in WORKER_MISMATCHES if error.startswith(c + ":")), None)
-        if concern is not None:
-            detail = error.removeprefix(concern + ":").strip()
-            raise AdapterMismatch(concern, self.adapters.name, self.vllm_version, detail)
+        """A worker-side concern (capture hook or tap, step layout) that reported through the ring."""
+        if (mismatch := self.engine.worker_mismatch()) is not None:
+            raise mismatch
 
     def _check_executor(self) -> None:
         """vLLM's multiprocessing executor watches its worker processes and marks itself failed

@@ -23,7 +23,7 @@ from job.errors import ConfigError
 from job.hidden_dtype import HiddenDtype
 from job.model import ModelInfo
 from job.settings import JobSettings, VllmSettings
-from job.worker.capture import COMPILED, HOOKS
+from job.worker.capture import COMPILED, HOOKS, WORKER_MISMATCHES
 from job.worker.ring import GENERATION_ID_EXTRA_BYTES, Ring, header_bytes
 
 # What an adapter call raises when its code does not fit the installed vLLM: a changed
@@ -167,6 +167,16 @@ class Engine:
         with adapter_concern(name, self.adapters, self.vllm_version, lambda: self.executor_failed, errors):
             yield
 
+    def worker_mismatch(self) -> AdapterMismatch | None:
+        """A worker-side concern (capture hook or tap, step layout) that reported through the ring
+        that it does not fit, before the worker's own error reached the driver."""
+        error = self.ring.worker_error or ""
+        concern = next((c for c in WORKER_MISMATCHES if error.startswith(c + ":")), None)
+        if concern is None:
+            return None
+        detail = error.removeprefix(concern + ":").strip()
+        return AdapterMismatch(concern, self.adapters.name, self.vllm_version, detail)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -245,6 +255,14 @@ def build_engine(
     engine = Engine(adapters, version, vllm_config, executor, ring)
     try:
         _start(engine, layer_ids, mode, log)
+    except Exception as exc:
+        # A compiled tap fails in the workers' first forwards (the KV cache's profiling or warm-up),
+        # which vLLM reports as a RuntimeError; the tap said so through the ring (read before close).
+        mismatch = engine.worker_mismatch()
+        engine.close()
+        if mismatch is not None:
+            raise mismatch from exc
+        raise
     except BaseException:
         engine.close()
         raise

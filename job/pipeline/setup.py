@@ -7,7 +7,7 @@ import importlib.util
 import json
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from job.data.encode import EncoderSpec, SampleEncoder, read_chat_template
 from job.data.source import InputFile, SkippedInput, data_fingerprint, scan_input
@@ -15,9 +15,11 @@ from job.errors import ConfigError
 from job.generate.sampling import Sampling, resolve_sampling
 from job.generate.stage import Regenerator
 from job.hidden_dtype import HiddenDtype, stored_dtype
+from job.logs import get_logger
 from job.manifest import Identity
 from job.model import LAYER_CONVENTION, ModelInfo, resolve_model
 from job.settings import JobSettings
+from job.weight_shapes import ShapeCheck, check_tensor_shapes
 from job.weights import check_weights, weights_fingerprint
 
 # Everything that decides input_ids and loss masks. Current transformers saves a model's
@@ -53,19 +55,34 @@ def tokenizer_fingerprint(model: ModelInfo, chat_template: str | None) -> str:
 
 
 def model_weights_fingerprint(settings: JobSettings, model: ModelInfo) -> str:
-    """The weights' fingerprint, after checking that they can load (ConfigError, exit 2, if not).
-    vLLM's dummy weights (backend.vllm.engine_args load_format, benchmarks) read no file; other
-    load formats than the file ones are fingerprinted from what the directory holds, unchecked."""
+    """The weights' fingerprint, after checking that they can load and that their tensors' shapes
+    fit config.json (ConfigError, exit 2, if not). vLLM's dummy weights (backend.vllm.engine_args
+    load_format, benchmarks) read no file; other load formats than the file ones are fingerprinted
+    from what the directory holds, unchecked."""
     vllm = settings.backend.name == "vllm"
-    load_format = settings.backend.vllm.engine_args.get("load_format") if vllm else None
+    engine_args = settings.backend.vllm.engine_args if vllm else {}
+    load_format = engine_args.get("load_format")
     if load_format == "dummy":
         return "dummy (backend.vllm.engine_args load_format)"
     try:
-        return weights_fingerprint(check_weights(model.path))
+        files = check_weights(model.path)
     except ConfigError:
         if load_format in _FILE_LOAD_FORMATS:
             raise
         return f"unchecked (load_format {load_format})"
+    if load_format in _FILE_LOAD_FORMATS:
+        _check_shapes(model, overridden=bool(engine_args.get("hf_overrides")))
+    return weights_fingerprint(files)
+
+
+def _check_shapes(model: ModelInfo, overridden: bool) -> None:
+    log = get_logger(component="setup")
+    started = time.monotonic()
+    if overridden:  # vLLM builds the model from another config than config.json
+        check = ShapeCheck(skipped="config.json overridden (backend.vllm.engine_args hf_overrides)")
+    else:
+        check = check_tensor_shapes(model.path, model.config)
+    log.info("weight_shapes_checked", **asdict(check), seconds=round(time.monotonic() - started, 2))
 
 
 @dataclass(frozen=True)

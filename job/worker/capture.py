@@ -23,10 +23,13 @@ buffers, so step k+1's forward runs while step k is copied out.
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import itertools
 import queue
 import threading
+import traceback
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,8 +45,12 @@ HOOKS, COMPILED = "hooks", "compiled"
 # (or this model): the worker reports "<concern>: <error>" through the ring before its forward
 # fails, and the driver names the concern (exit 2) instead of the worker's bare error.
 CAPTURE_HOOK = "capture hook (decoder-layer outputs)"
+CAPTURE_TAP = "capture tap (decoder-layer outputs, traced into the compiled graph)"
 STEP_LAYOUT = "step layout (the runner's input ids, positions and request order)"
-WORKER_MISMATCHES = (CAPTURE_HOOK, STEP_LAYOUT)
+WORKER_MISMATCHES = (CAPTURE_HOOK, CAPTURE_TAP, STEP_LAYOUT)
+# Worker methods that run the model's first forwards, and with them torch.compile's tracing of the
+# taps: the profiling run (CUDA) and the warm-up (CPU); execute_model is wrapped anyway.
+_COMPILING_METHODS = ("determine_available_memory", "compile_or_warm_up_model")
 
 
 def inner_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -122,6 +129,8 @@ class StepCapture:
         self._hooks: list[Any] = []
         self.aux_ids: list[int] = []
         self.taps: dict[int, torch.Tensor] = {}  # compiled: layer id -> persistent [tokens, H] buffer
+        self._tap_lines: dict[int, tuple[str, set[int]]] = {}  # layer id -> its tap's file and lines
+        self._wrapped: dict[str, Any] = {}  # compiled: worker methods wrapped by _reporting_taps
         if mode == COMPILED:
             self.aux_ids, tap_ids = plan_compiled(model, layer_ids, adapters)
             configure_aux(worker, self.aux_ids)
@@ -135,7 +144,16 @@ class StepCapture:
             self._publisher = threading.Thread(target=self._publish_loop, name="hs-publisher", daemon=True)
             self._publisher.start()
         self._original_execute_model = worker.execute_model
+        # Compiled: the forward (Dynamo may trace the taps again for a new shape) reports a failing tap.
+        self._forward = (
+            self._reporting_taps(worker.execute_model) if mode == COMPILED else worker.execute_model
+        )
         worker.execute_model = self._execute_model
+        if mode == COMPILED:
+            for name in _COMPILING_METHODS:
+                if callable(method := getattr(worker, name, None)):
+                    self._wrapped[name] = method
+                    setattr(worker, name, self._reporting_taps(method))
 
     @classmethod
     def install(
@@ -180,11 +198,41 @@ class StepCapture:
             self.taps[k] = buffer
             if k == 0:
                 position = list(inspect.signature(self.layers[0].forward).parameters).index("hidden_states")
-                self._hooks.append(
-                    self.layers[0].register_forward_pre_hook(_input_tap(buffer, position), with_kwargs=True)
-                )
+                tap = _input_tap(buffer, position)
+                self._hooks.append(self.layers[0].register_forward_pre_hook(tap, with_kwargs=True))
             else:
-                self._hooks.append(self.layers[k - 1].register_forward_hook(_output_tap(buffer)))
+                tap = _output_tap(buffer)
+                self._hooks.append(self.layers[k - 1].register_forward_hook(tap))
+            self._tap_lines[k] = _code_lines(tap)
+
+    def _reporting_taps(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        """``method`` of the worker, whose failure inside a tap's code (torch.compile traces the
+        taps, so a tap that does not fit the decoder layers fails in the worker's compilation, not
+        in a hook call) is reported through the ring as the capture tap's."""
+
+        @functools.wraps(method)
+        def reporting(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except Exception as exc:
+                if (layer_id := self._failed_tap(exc)) is not None:
+                    layer = type(self.layers[max(layer_id - 1, 0)]).__name__
+                    # Dynamo's message goes on with the user-code stack, which the layer id says.
+                    text = " ".join(str(exc).split()).split(" from user code:")[0]
+                    error = f"{type(exc).__name__}: {text[:600]}"
+                    self._report(CAPTURE_TAP, f"layer id {layer_id} on {layer}: {error}")
+                raise
+
+        return reporting
+
+    def _failed_tap(self, exc: BaseException) -> int | None:
+        """The layer id whose tap the failure's stack passes through: Dynamo's user-code stack of
+        a tracing error (``real_stack``) or a traceback, of ``exc`` or an exception it chains."""
+        for frame in _stack_frames(exc):
+            for layer_id, (filename, lines) in self._tap_lines.items():
+                if frame.filename == filename and frame.lineno in lines:
+                    return layer_id
+        return None
 
     def _gather_compiled(self, n: int) -> None:
         """After the forward: aux outputs (graph memory, padded to the graph's size) and taps into
@@ -220,7 +268,7 @@ class StepCapture:
 
     def _reported(self, layer_id: int, hook: Any) -> Any:
         """``hook``, whose failure is reported through the ring as the capture hook's (eager mode
-        only: compiled taps are traced, and fail in the worker's compilation instead)."""
+        only: compiled taps are traced, and fail in the worker's compilation: ``_reporting_taps``)."""
 
         def reported(*args: Any) -> None:
             try:
@@ -260,14 +308,14 @@ class StepCapture:
     def _execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         n = scheduler_output.total_num_scheduled_tokens
         if not (self.armed and captured_step(scheduler_output.num_scheduled_tokens)):
-            return self._original_execute_model(scheduler_output, *args, **kwargs)
+            return self._forward(scheduler_output, *args, **kwargs)
         if n > self.spec.max_tokens:
             raise RuntimeError(f"step of {n} tokens exceeds the capture buffer ({self.spec.max_tokens})")
         if self.current.copy_done is not None:  # this buffer's last copy must land before it is overwritten
             torch.cuda.current_stream(self.device).wait_event(self.current.copy_done)
         self.num_tokens, self.active = n, self.mode == HOOKS
         try:
-            output = self._original_execute_model(scheduler_output, *args, **kwargs)
+            output = self._forward(scheduler_output, *args, **kwargs)
         finally:
             self.active = False
         with record_function("eagle3_capture: gather"):
@@ -326,6 +374,8 @@ class StepCapture:
         for hook in self._hooks:
             hook.remove()
         self.worker.execute_model = self._original_execute_model
+        for name, method in self._wrapped.items():
+            setattr(self.worker, name, method)
         if self.on_cuda:
             self._published.put(None)
             self._publisher.join()
@@ -375,6 +425,24 @@ def _output_tap(buffer: torch.Tensor) -> Any:
         torch.add(output[0], output[1], out=buffer[: output[0].shape[0]])
 
     return hook
+
+
+def _code_lines(function: Any) -> tuple[str, set[int]]:
+    code = function.__code__
+    return code.co_filename, {line for _, _, line in code.co_lines() if line is not None}
+
+
+def _stack_frames(exc: BaseException) -> Iterator[traceback.FrameSummary]:
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        yield from getattr(error, "real_stack", None) or []
+        yield from traceback.extract_tb(error.__traceback__)
+        pending += [error.__cause__, error.__context__]
 
 
 def model_dtype(worker: Any, param: torch.Tensor) -> torch.dtype:
