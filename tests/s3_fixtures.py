@@ -370,6 +370,7 @@ class FaultProxy:
         self.strip_headers: set[str] = set()  # response headers (lower case) never passed back
         self.held = threading.Event()
         self.requests: list[Request] = []
+        self.connections = 0  # accepted from clients
         self.faults: Counter[str] = Counter()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -392,6 +393,8 @@ class FaultProxy:
                 continue
             except OSError:
                 return
+            with self._lock:
+                self.connections += 1
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
         self._listener.close()
 

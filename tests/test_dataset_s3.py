@@ -79,6 +79,47 @@ def test_ranks_and_workers_read_an_s3_output_exactly_once(
     assert sorted(seen) == sorted(local) and len(seen) == len(set(seen))
 
 
+def test_reads_reuse_connections_and_survive_broken_responses(
+    on_s3: Path, s3_env: dict[str, str], bucket: str, fault_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows go from the socket straight into the sample's memory (``read_range``, past urllib3):
+    a response read to its end gives its connection back, and one reset halfway through its
+    body, or failing, is asked for again from where it stopped; every sample equal to the
+    downloaded copy's."""
+    import torch
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.endpoint)
+    local = {s.sample_id: s for s in iter_output(on_s3, require_complete=True)}
+    uri = f"s3://{bucket}/dataset-src"
+    shard_gets = 0
+
+    def cut_every_third_shard_get(request: Any) -> str | None:
+        nonlocal shard_gets
+        if fault_proxy.fault_rate == 0 or request.operation != "GetObject":
+            return None
+        if ".safetensors" not in request.path:
+            return None
+        shard_gets += 1
+        return "reset mid-response" if shard_gets % 3 == 0 else None
+
+    fault_proxy.fault_for = cut_every_third_shard_get
+    for fault_rate in (0.0, 0.2):
+        fault_proxy.fault_rate = fault_rate
+        seen = []
+        for sample in OutputDataset(uri, shuffle_seed=2, read_threads=4):
+            want = local[sample["sample_id"]]
+            assert torch.equal(sample["hidden_states"], want.hidden_states)
+            assert torch.equal(sample["input_ids"], want.input_ids)
+            assert torch.equal(sample["loss_mask"], want.loss_mask)
+            seen.append(sample["sample_id"])
+        assert sorted(seen) == sorted(local)
+        if fault_rate == 0:
+            gets = sum(r.operation == "GetObject" for r in fault_proxy.requests)
+            assert gets > len(local) and fault_proxy.connections <= 4 + 2, (gets, fault_proxy.connections)
+    assert fault_proxy.faults["reset mid-response"] > 0 and sum(fault_proxy.faults.values()) >= 5
+    print(f"\n{len(fault_proxy.requests)} requests, faults {dict(fault_proxy.faults)}")
+
+
 def test_damaged_and_missing_objects_are_named(
     on_s3: Path, s3_env: dict[str, str], s3: Any, bucket: str
 ) -> None:

@@ -458,7 +458,8 @@ class _Prefetcher:
         self._open_shard = open_shard
         self._cap = cap
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="output-read")
-        self._buffers = Buffers(2 * cap)  # memory of samples the consumer has dropped, used again
+        # read-ahead samples (at most cap) and those the consumer still holds, in the same pages again
+        self._buffers = Buffers(2 * cap)
         self._ready: deque[tuple[_Planned, ShardRows, _Pending, int]] = deque()
         self._held = 0  # bytes of rows read or being read, not yet handed out
         self._error: BaseException | None = None

@@ -10,7 +10,8 @@
 - Small objects (manifest, logs, rejected.jsonl) are single PUTs, conditional where asked
   (``If-Match`` on an ETag, ``If-None-Match: *`` to create).
 - Reads are pinned to the listed ETag; a body that breaks off is fetched again from where
-  it stopped (botocore's retries end when the response headers arrive).
+  it stopped (botocore's retries end when the response headers arrive). Ranged reads go from
+  the socket straight into the caller's buffer (``read_range``).
 """
 
 from __future__ import annotations
@@ -405,16 +406,17 @@ class S3Transport(ObjectTransport):
                     Range=f"bytes={start + done}-{start + len(into) - 1}",
                     IfMatch=info.version,
                 )["Body"]
+                read, finish = _direct_reader(body)
                 try:
                     while done < len(into):
-                        n = body.readinto(into[done:])
+                        n = read(into[done:])
                         if n == 0:
                             raise StorageError(f"{where} ended at byte {start + done} of {info.size}")
                         done += n
                 except BaseException:
                     body.close()  # a broken body's connection is not reused
                     raise
-                # A body read to its end returns its connection to the pool (closing it would not)
+                finish()
                 return
             except ClientError as exc:
                 if _is_status(exc, 412, 404):
@@ -422,7 +424,8 @@ class S3Transport(ObjectTransport):
                         f"{self.setting}: {where} changed or was removed since it was listed"
                     ) from None
                 raise _translate(exc, self.setting, self.bucket, f"reading {where}") from None
-            except (*_BROKEN_RESPONSE, BotoCoreError, StorageError) as exc:
+            # OSError: a socket's timeout or reset, read past urllib3 (which would wrap it)
+            except (*_BROKEN_RESPONSE, BotoCoreError, StorageError, OSError) as exc:
                 if attempt + 1 == _ATTEMPTS:
                     raise StorageError(f"{self.setting}: reading {where} failed: {exc}") from None
                 _backoff(attempt)
@@ -525,3 +528,26 @@ class _ObjectReader(io.RawIOBase):
     def close(self) -> None:
         self._drop_body()
         super().close()
+
+
+def _direct_reader(body: Any) -> tuple[Callable[[memoryview], int], Callable[[], None]]:
+    """A ranged GET's body read straight into the caller's buffer, and what to call once every
+    byte asked for was read. urllib3's ``readinto`` reads into a new buffer, makes ``bytes`` of
+    it and copies those over: three passes over memory where one does (2 GiB read by
+    OutputDataset: 1.0 s of user time, 0.7 s without them). http.client's response under it
+    (urllib3's ``_fp``) reads into the given buffer, and counts the length and chunks as it
+    does for urllib3; without one, botocore's body is read as before."""
+
+    raw = getattr(body, "_raw_stream", None)
+    response = getattr(raw, "_fp", None)
+    if not isinstance(response, http.client.HTTPResponse):
+        # read to its end, botocore's body returns its connection to the pool by itself
+        return body.readinto, lambda: None
+
+    def finish() -> None:
+        if response.isclosed():  # the whole response was read: its connection serves the next
+            raw.release_conn()
+        else:  # more bytes than asked for (a store ignoring the range): the connection is dropped
+            body.close()
+
+    return response.readinto, finish
