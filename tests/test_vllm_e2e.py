@@ -23,7 +23,7 @@ import torch
 from conftest import run_vllm_job, vllm_job_env, with_sitecustomize
 
 from job.errors import EXIT_FAILURE, EXIT_TERMINATED
-from job.shards import iter_output
+from job.shards import OutputDataset, iter_output
 
 if os.environ.get("REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed in this environment")
@@ -122,6 +122,32 @@ def test_the_preflight_passed_first_and_a_run_without_it_writes_the_same_samples
         assert torch.equal(sample.input_ids, ref.input_ids) and torch.equal(sample.loss_mask, ref.loss_mask)
         assert torch.equal(sample.hidden_states, ref.hidden_states), sample_id
     print(f"\npreflight {passed['seconds']}; {len(got)} samples identical with and without it")
+
+
+@pytest.mark.parametrize("outputs", ["eager"], indirect=True)  # the preflight test's output, no new engine
+def test_output_dataset_reads_the_vllm_output_as_iter_output_does(
+    outputs: tuple[Path, Path, list[dict]],
+) -> None:
+    """The trainer's reader over an output vLLM wrote (tests/test_dataset*.py read the HF
+    backend's): every sample once, bit for bit ``iter_output``'s, all stored layers and two of
+    them picked in reverse order."""
+    vllm_dir, _, _ = outputs
+    reference = {s.sample_id: s for s in iter_output(vllm_dir, require_complete=True)}
+    stored = next(iter(reference.values())).layer_ids
+    picked = [stored[-1], stored[0]]
+    for layers in (None, picked):
+        seen = []
+        for item in OutputDataset(str(vllm_dir), shuffle_seed=3, layers=layers):
+            ref = reference[item["sample_id"]]
+            assert torch.equal(item["input_ids"], ref.input_ids)
+            assert torch.equal(item["loss_mask"], ref.loss_mask)
+            want = ref.hidden_states
+            if layers is not None:
+                want = want[:, [stored.index(n) for n in layers]]
+            assert item["hidden_states"].dtype == want.dtype and torch.equal(item["hidden_states"], want)
+            seen.append(item["sample_id"])
+        assert sorted(seen) == sorted(reference) and len(seen) > 30, layers
+    print(f"\nOutputDataset: {len(reference)} samples of vLLM's output, as iter_output's (layers {picked})")
 
 
 def test_batches_held_several_requests_long_prefills_were_chunked_steps_overlapped_and_the_last_shrank(
