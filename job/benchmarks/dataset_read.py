@@ -311,6 +311,7 @@ def main(argv: list[str]) -> int:
     rows: list[dict[str, Any]] = []
 
     def emit(**row: Any) -> None:
+        row["load_1m"] = round(os.getloadavg()[0], 2)  # this host is shared: how busy it was
         print(json.dumps(row), flush=True)
         rows.append(row)
 
