@@ -39,6 +39,7 @@ class ShapeCheck:
     compared: int = 0
     tensors: int = 0
     skipped: str | None = None
+    seconds: float = 0.0
 
 
 def check_tensor_shapes(directory: Path, config: dict[str, Any]) -> ShapeCheck:

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from job.errors import ConfigError
 from job.model import resolve_model
-from job.pipeline.setup import model_weights_fingerprint
+from job.pipeline.setup import check_model_weights
 from job.settings import load_settings
 from job.weight_shapes import ShapeCheck, check_tensor_shapes
 from job.weights import check_weights, weights_fingerprint
@@ -167,13 +167,11 @@ def test_vllm_dummy_weights_need_no_weight_files(
     shutil.copy(tiny_llama_dir / "config.json", model / "config.json")
     args = [f"--model.path={model}", "--backend.name=vllm"]
     dummy = load_settings(cli_args=[*args, '--backend.vllm.engine_args={"load_format": "dummy"}'])
-    assert (
-        model_weights_fingerprint(dummy, resolve_model(dummy.model))
-        == "dummy (backend.vllm.engine_args load_format)"
-    )
+    checked = check_model_weights(dummy, resolve_model(dummy.model))
+    assert checked.fingerprint == "dummy (backend.vllm.engine_args load_format)" and checked.shapes is None
     real = load_settings(cli_args=args)
     with pytest.raises(ConfigError, match="holds no weights"):
-        model_weights_fingerprint(real, resolve_model(real.model))
+        check_model_weights(real, resolve_model(real.model))
 
 
 @pytest.fixture(scope="module")
@@ -321,7 +319,7 @@ def test_a_model_that_fits_logs_what_was_compared(
     )
     assert result.rc == 0, result.describe()
     assert result.event("run_finished")["written"] == 3
-    checked = result.event("weight_shapes_checked")
+    checked = result.event("run_started")["weight_shapes"]
     assert checked["compared"] == checked["tensors"] == 75 and checked["skipped"] is None, checked
 
 

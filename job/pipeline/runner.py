@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from job.backends import Backend, Completion, create_backend
@@ -147,6 +147,7 @@ class IndexRun:
             resumed_shards=len(manifest.shards),
             resumed_samples=self.resumed.written_before,
             output=self.store.location,
+            weight_shapes=None if self.setup.weight_shapes is None else asdict(self.setup.weight_shapes),
         )
         if self.setup.skipped:
             log_skipped(self.setup.skipped)

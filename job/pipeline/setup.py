@@ -7,7 +7,7 @@ import importlib.util
 import json
 import secrets
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 
 from job.data.encode import EncoderSpec, SampleEncoder, read_chat_template
 from job.data.source import InputFile, SkippedInput, data_fingerprint, scan_input
@@ -15,7 +15,6 @@ from job.errors import ConfigError
 from job.generate.sampling import Sampling, resolve_sampling
 from job.generate.stage import Regenerator
 from job.hidden_dtype import HiddenDtype, stored_dtype
-from job.logs import get_logger
 from job.manifest import Identity
 from job.model import LAYER_CONVENTION, ModelInfo, resolve_model
 from job.settings import JobSettings
@@ -54,7 +53,16 @@ def tokenizer_fingerprint(model: ModelInfo, chat_template: str | None) -> str:
     return "sha256:" + digest.hexdigest()
 
 
-def model_weights_fingerprint(settings: JobSettings, model: ModelInfo) -> str:
+@dataclass(frozen=True)
+class CheckedWeights:
+    """The weights' fingerprint (in the resume identity) and what their shape check found (None:
+    not checked; run_started logs it)."""
+
+    fingerprint: str
+    shapes: ShapeCheck | None = None
+
+
+def check_model_weights(settings: JobSettings, model: ModelInfo) -> CheckedWeights:
     """The weights' fingerprint, after checking that they can load and that their tensors' shapes
     fit config.json (ConfigError, exit 2, if not). vLLM's dummy weights (backend.vllm.engine_args
     load_format, benchmarks) read no file; other load formats than the file ones are fingerprinted
@@ -63,26 +71,22 @@ def model_weights_fingerprint(settings: JobSettings, model: ModelInfo) -> str:
     engine_args = settings.backend.vllm.engine_args if vllm else {}
     load_format = engine_args.get("load_format")
     if load_format == "dummy":
-        return "dummy (backend.vllm.engine_args load_format)"
+        return CheckedWeights("dummy (backend.vllm.engine_args load_format)")
     try:
         files = check_weights(model.path)
     except ConfigError:
         if load_format in _FILE_LOAD_FORMATS:
             raise
-        return f"unchecked (load_format {load_format})"
+        return CheckedWeights(f"unchecked (load_format {load_format})")
+    shapes = None
     if load_format in _FILE_LOAD_FORMATS:
-        _check_shapes(model, overridden=bool(engine_args.get("hf_overrides")))
-    return weights_fingerprint(files)
-
-
-def _check_shapes(model: ModelInfo, overridden: bool) -> None:
-    log = get_logger(component="setup")
-    started = time.monotonic()
-    if overridden:  # vLLM builds the model from another config than config.json
-        check = ShapeCheck(skipped="config.json overridden (backend.vllm.engine_args hf_overrides)")
-    else:
-        check = check_tensor_shapes(model.path, model.config)
-    log.info("weight_shapes_checked", **asdict(check), seconds=round(time.monotonic() - started, 2))
+        started = time.monotonic()
+        if engine_args.get("hf_overrides"):  # vLLM builds the model from another config than config.json
+            shapes = ShapeCheck(skipped="config.json overridden (backend.vllm.engine_args hf_overrides)")
+        else:
+            shapes = check_tensor_shapes(model.path, model.config)
+        shapes = replace(shapes, seconds=round(time.monotonic() - started, 2))
+    return CheckedWeights(weights_fingerprint(files), shapes)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class RunSetup:
     files: list[InputFile]
     skipped: list[SkippedInput]  # in the data directory, not read (logged by the run)
     sampling: Sampling | None  # generate.mode other than keep: how turns are sampled
+    weight_shapes: ShapeCheck | None = None  # the weights' shape check, where it ran
 
     @property
     def generates(self) -> bool:
@@ -215,9 +220,10 @@ def prepare_run(settings: JobSettings, check_weights: bool = True) -> RunSetup:
     if settings.generate.mode != "keep":
         eos = SampleEncoder(encoder).tokenizer.eos_token_id
         sampling = resolve_sampling(settings.generate, model.path, eos)
+    weights = check_model_weights(settings, model) if check_weights else CheckedWeights("unchecked")
     identity = Identity(
         model_config_hash=model.config_hash,
-        weights_fingerprint=model_weights_fingerprint(settings, model) if check_weights else "unchecked",
+        weights_fingerprint=weights.fingerprint,
         layer_ids=layer_ids,
         storage=dtype.name,
         data_fingerprint=data_fingerprint(listing.files),
@@ -233,5 +239,14 @@ def prepare_run(settings: JobSettings, check_weights: bool = True) -> RunSetup:
         work_count=settings.work.count,
     )
     return RunSetup(
-        settings, model, layer_ids, dtype, encoder, identity, listing.files, listing.skipped, sampling
+        settings,
+        model,
+        layer_ids,
+        dtype,
+        encoder,
+        identity,
+        listing.files,
+        listing.skipped,
+        sampling,
+        weights.shapes,
     )
