@@ -23,6 +23,7 @@ the reduced engine and its memory are gone before the real one starts.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import shutil
@@ -123,6 +124,7 @@ class PreflightReport:
     proven: list[str] = field(default_factory=list)
     not_proven: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # by stage, and "total"
+    engine_seconds: dict[str, float] = field(default_factory=dict)  # the engine stage's parts
     memory: dict[str, Any] = field(default_factory=dict)  # FullDepthMemory's fields, where estimated
 
     def text(self) -> str:
@@ -130,6 +132,8 @@ class PreflightReport:
         lines += [f"  - {p}" for p in self.proven]
         lines += ["not proven:"] + [f"  - {p}" for p in self.not_proven]
         times = ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items() if k != "total")
+        if self.engine_seconds:
+            times += " (" + ", ".join(f"{k} {v:.1f} s" for k, v in self.engine_seconds.items()) + ")"
         lines.append(f"time: {self.seconds.get('total', 0):.1f} s ({times})")
         return "\n".join(lines)
 
@@ -163,6 +167,15 @@ def preflight(settings: JobSettings) -> PreflightReport:
     report.seconds["total"] = round(time.monotonic() - started, 2)
     log.info("preflight_passed", **asdict(report))
     return report
+
+
+@contextlib.contextmanager
+def _timed(seconds: dict[str, float], name: str) -> Iterator[None]:
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        seconds[name] = round(time.monotonic() - started, 2)
 
 
 class _stage:
@@ -253,6 +266,7 @@ def _check_engine(setup: RunSetup, report: PreflightReport, log: Any) -> None:
         EngineSpec.of(settings, generating=setup.generates),
         dummy_weights=True,
         hf_overrides=reduction.hf_overrides,
+        max_cudagraph_capture_size=settings.preflight.max_cudagraph_capture_size,
     )
     log.info(
         "preflight_engine",
@@ -272,20 +286,25 @@ def _check_engine(setup: RunSetup, report: PreflightReport, log: Any) -> None:
                 "data": settings.data.model_copy(update={"max_rejected_fraction": 1.0}),
             }
         )
-        backend = VllmBackend(
-            spec, replace(model, num_layers=reduction.depth), reduction.layer_ids, setup.dtype
-        )
-        try:
-            totals = run_job(
-                scratch_settings,
-                backend=backend,
-                sample_limit=settings.preflight.samples,
-                check_weights=False,
+        parts = report.engine_seconds
+        with _timed(parts, "start"):
+            backend = VllmBackend(
+                spec, replace(model, num_layers=reduction.depth), reduction.layer_ids, setup.dtype
             )
+        try:
+            with _timed(parts, "pipeline"):
+                totals = run_job(
+                    scratch_settings,
+                    backend=backend,
+                    sample_limit=settings.preflight.samples,
+                    check_weights=False,
+                )
             info, memory = backend.info, backend.memory
         finally:
-            backend.close()
-        checked = _read_back(scratch / "out", setup, totals)
+            with _timed(parts, "stop"):
+                backend.close()
+        with _timed(parts, "read_back"):
+            checked = _read_back(scratch / "out", setup, totals)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     sources = {
@@ -299,10 +318,12 @@ def _check_engine(setup: RunSetup, report: PreflightReport, log: Any) -> None:
         if reduction.why_full is None
         else f"all {reduction.num_layers} layers (not reduced: {reduction.why_full})"
     )
+    graphs = info.get("cudagraph_capture_sizes")
     report.proven += [
         f"engine: {model.architecture} from its own config.json with dummy weights at {depth}, "
         f"TP={info['tensor_parallel_size']}, vLLM {info['vllm_version']}, adapter set {info['adapter_set']}, "
-        f"capture {info['capture']} ({info['model_runner']})",
+        f"capture {info['capture']} ({info['model_runner']})"
+        + (f", CUDA graphs of batch sizes {graphs}" if graphs else ""),
         f"pipeline: {checked}",
         f"layer sources at full depth: {sources}",
     ]

@@ -374,6 +374,14 @@ class PreflightSettings(Section):
     samples: PositiveInt = Field(
         8, description="How many of this index's first samples the preflight sends through the pipeline"
     )
+    max_cudagraph_capture_size: PositiveInt | None = Field(
+        8,
+        description="compiled mode on a GPU: the largest batch size whose CUDA graph the preflight's "
+        "engine captures (vLLM's compilation_config.max_cudagraph_capture_size; 8: sizes 1, 2, 4, 8, "
+        "which prove the graphs' capture with the hidden-state outputs, where the run captures vLLM's "
+        "whole list, up to twice max_num_seqs); null: the run's list. Where backend.vllm.engine_args "
+        "sets the compilation_config's sizes, those stand",
+    )
 
 
 class LogSettings(Section):

@@ -141,6 +141,32 @@ def test_the_reduced_engine_keeps_the_users_own_config_overrides() -> None:
     assert "load_format" not in spec.engine_kwargs(resolve_model(settings.model))
 
 
+def test_the_reduced_engine_captures_cuda_graphs_up_to_its_cap_unless_the_user_set_sizes() -> None:
+    """The preflight's engine captures CUDA graphs up to preflight.max_cudagraph_capture_size
+    (vLLM's own key, beside the user's other compilation settings); the run's engine has no cap,
+    and sizes the user set in engine_args stand in both."""
+    from job.backends.vllm_engine import EngineSpec
+    from job.model import resolve_model
+    from job.settings import JobSettings
+
+    def compilation(engine_args: dict[str, Any], cap: int | None) -> Any:
+        settings = JobSettings(backend={"name": "vllm", "vllm": {"engine_args": engine_args}})
+        spec = replace(EngineSpec.of(settings, generating=False), max_cudagraph_capture_size=cap)
+        return spec.engine_kwargs(resolve_model(settings.model)).get("compilation_config")
+
+    cap = JobSettings().preflight.max_cudagraph_capture_size
+    assert cap == 8
+    assert compilation({}, cap) == {"max_cudagraph_capture_size": 8}
+    assert compilation({}, None) is None
+    assert compilation({"compilation_config": {"cudagraph_mode": "PIECEWISE"}}, cap) == {
+        "cudagraph_mode": "PIECEWISE",
+        "max_cudagraph_capture_size": 8,
+    }
+    for own in ({"cudagraph_capture_sizes": [1, 64]}, {"max_cudagraph_capture_size": 32}):
+        assert compilation({"compilation_config": own}, cap) == own
+    assert compilation({"compilation_config": 3}, cap) == 3  # a bare mode: vLLM's own sizes
+
+
 def test_the_local_probe_leaves_nothing_behind(tmp_path: Path) -> None:
     out = tmp_path / "new" / "out"
     (lines,) = probe_output(OutputSettings(uri=str(out), shard_bytes="1MiB"), 3)

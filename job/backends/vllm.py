@@ -134,7 +134,15 @@ class VllmBackend(Backend):
             "model_runner": self.capture_info.get("model_runner"),
             "capture": self.capture_info.get("mode"),
             "layer_sources": self.capture_info.get("layer_sources"),
+            "cudagraph_capture_sizes": self._cudagraph_capture_sizes(),
         }
+
+    def _cudagraph_capture_sizes(self) -> list[int] | None:
+        """The batch sizes whose CUDA graphs the engine captured; None without CUDA graphs
+        (eager mode, a CPU build)."""
+        compilation = self.vllm_config.compilation_config
+        mode = getattr(compilation.cudagraph_mode, "name", "NONE")
+        return None if mode == "NONE" else list(compilation.cudagraph_capture_sizes or [])
 
     def extract(
         self, inputs: Iterator[BackendInput | GenerationInput | None]

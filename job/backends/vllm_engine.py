@@ -30,6 +30,9 @@ from job.worker.ring import GENERATION_ID_EXTRA_BYTES, Ring, header_bytes
 # signature or return type, a renamed attribute or module, an internal assertion.
 MISMATCH_ERRORS = (TypeError, AttributeError, AssertionError, ImportError, KeyError, IndexError)
 
+# vLLM's CompilationConfig keys that choose which batch sizes get a CUDA graph.
+CAPTURE_SIZE_KEYS = {"cudagraph_capture_sizes", "max_cudagraph_capture_size"}
+
 # The concerns, as errors and the preflight's report name them.
 ENGINE_CONFIG = "engine configuration (EngineArgs -> VllmConfig)"
 CAPTURE_INSTALL = "capture install in the workers (hs_install)"
@@ -67,6 +70,9 @@ class EngineSpec:
     # (fewer layers).
     dummy_weights: bool = False
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    # The preflight's engine: the largest batch size it captures a CUDA graph of (None: vLLM's
+    # choice, as the run).
+    max_cudagraph_capture_size: int | None = None
 
     @classmethod
     def of(cls, settings: JobSettings, generating: bool) -> EngineSpec:
@@ -109,6 +115,12 @@ class EngineSpec:
             kwargs["load_format"] = "dummy"
         if self.hf_overrides:  # over the user's own (engine_args), which keep what they set
             kwargs["hf_overrides"] = _merged(options.engine_args.get("hf_overrides") or {}, self.hf_overrides)
+        compilation = options.engine_args.get("compilation_config") or {}
+        largest = self.max_cudagraph_capture_size
+        # Sizes the user set (or a compilation_config that is no mapping) stand.
+        user_sized = not isinstance(compilation, dict) or bool(CAPTURE_SIZE_KEYS & compilation.keys())
+        if largest is not None and not user_sized:
+            kwargs["compilation_config"] = {**compilation, "max_cudagraph_capture_size": largest}
         return kwargs
 
 
