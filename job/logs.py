@@ -2,7 +2,9 @@
 same JSON events in a file that the output sink ships to ``index-*/logs/``.
 
 Library logs (vLLM, transformers, botocore) are routed through the same chain,
-and every string is scrubbed of the secret values found in the environment.
+and every string is scrubbed of the secret values found in the environment. vLLM's
+worker processes log through it too (``configure_worker_logging``), tagged
+``component: vllm_worker``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import structlog
 
 if TYPE_CHECKING:
     from job.settings import LogSettings
+
+# How the driver logs, for vLLM's worker processes, which inherit the environment:
+# configure_logging and the log file set it, configure_worker_logging reads it.
+WORKER_LOGGING_ENV = "EAGLE3_WORKER_LOGGING"
 
 # Values of these variables never appear in logs, whatever logged them.
 SECRET_ENV_VARS = (
@@ -74,6 +80,7 @@ class _FileTee:
             # loses nothing already logged), so every event must reach the file whole.
             self._file = path.open("a", encoding="utf-8", buffering=1)
             self.path = path
+        _export_worker_logging(file=str(path))
 
     def flush(self) -> None:
         with self._lock, contextlib.suppress(OSError):
@@ -85,6 +92,7 @@ class _FileTee:
             if self._file is not None:
                 self._file.close()
         self._file = None
+        _export_worker_logging(file=None)
 
     def __call__(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
         if self._file is not None:
@@ -105,12 +113,16 @@ class _FileTee:
 
 scrubber = _SecretScrubber()
 log_file = _FileTee()
+_configured = threading.Event()  # configure_logging ran in this process
 
 
-def configure_logging(settings: LogSettings, stream: IO[str] | None = None, event_prefix: str = "") -> None:
+def configure_logging(
+    settings: LogSettings, stream: IO[str] | None = None, event_prefix: str = "", component: str = ""
+) -> None:
     """Configure structlog and the stdlib root logger once per process. ``event_prefix`` (the
     preflight's process): every event not named with it is renamed ``<prefix>.<event>``, so the
-    run that follows is the only one logging ``run_started``, ``capture_installed``, ..."""
+    run that follows is the only one logging ``run_started``, ``capture_installed``, ...
+    ``component``: given to every record that names none (a library's)."""
     stream = stream or sys.stdout
     scrubber.refresh()
     use_console = settings.format == "console" or (settings.format == "auto" and stream.isatty())
@@ -128,6 +140,8 @@ def configure_logging(settings: LogSettings, stream: IO[str] | None = None, even
     ]
     if event_prefix:
         shared.insert(0, _EventPrefix(event_prefix))
+    if component:
+        shared.insert(0, _DefaultComponent(component))
     renderer: Any = (
         structlog.dev.ConsoleRenderer(colors=False)
         if use_console
@@ -149,10 +163,48 @@ def configure_logging(settings: LogSettings, stream: IO[str] | None = None, even
         )
     )
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [handler]  # a library's basicConfig (xgrammar's, as vLLM imports it) included
+    _configured.set()
     root.setLevel(max(level, logging.INFO))
     # vLLM installs its own handlers unless told not to; ours render its records.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    _export_worker_logging(
+        level=settings.level, format="console" if use_console else "json", event_prefix=event_prefix
+    )
+
+
+def _export_worker_logging(**changes: Any) -> None:
+    current = json.loads(os.environ.get(WORKER_LOGGING_ENV) or "{}")
+    os.environ[WORKER_LOGGING_ENV] = json.dumps({**current, **changes})
+
+
+def configure_worker_logging() -> None:
+    """In a vLLM worker process, which vLLM starts with the driver's environment: log as the
+    driver does (format, level, secrets scrubbed), to stdout and the driver's log file, each
+    record tagged ``component: vllm_worker``. Without this, vLLM's worker-side records (model
+    load, compilation, CUDA graphs: where start-up time goes) were lost below warning level and
+    printed as plain text above it (by Python's last resort, or a handler a library's import
+    added). Nothing to do outside a worker of this job's driver, or where this process
+    configured its logging already (an in-process worker)."""
+    from job.settings import LogSettings
+
+    spec = os.environ.get(WORKER_LOGGING_ENV)
+    if not spec or _configured.is_set():
+        return
+    options = json.loads(spec)
+    settings = LogSettings(level=options["level"], format=options["format"])
+    configure_logging(settings, event_prefix=options.get("event_prefix", ""), component="vllm_worker")
+    if options.get("file"):
+        log_file.open(Path(options["file"]))
+
+
+class _DefaultComponent:
+    def __init__(self, component: str) -> None:
+        self.component = component
+
+    def __call__(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+        event_dict.setdefault("component", self.component)
+        return event_dict
 
 
 class _EventPrefix:

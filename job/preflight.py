@@ -372,9 +372,11 @@ def _check_sources(sources: dict[int, str], mode: str | None) -> None:
 class FullDepthMemory:
     """One rank's memory at the target's full depth, estimated from the reduced engine: each
     kind of decoder layer weighs what the reduced model's layer of that kind weighs, and on a GPU
-    the weights the reduced model lacks come out of the KV cache vLLM sized for it (activations
-    and CUDA graphs are about the same at both depths). On a CPU build the KV cache is a fixed
-    space (VLLM_CPU_KVCACHE_SPACE) beside the weights."""
+    the weights the reduced model lacks come out of the KV cache vLLM sized for it. Activations
+    and the CUDA graphs the run captures beyond the preflight's are not in it: on an H100 the
+    Kimi-class proxy's estimate was 10.9 % (about 0.2 GiB) above the KV cache its run got
+    (docs/benchmarks.md). On a CPU build the KV cache is a fixed space (VLLM_CPU_KVCACHE_SPACE)
+    beside the weights."""
 
     device: str
     reduced_weight_bytes: int  # as built

@@ -125,6 +125,33 @@ def test_the_preflight_passed_first_and_a_run_without_it_writes_the_same_samples
 
 
 @pytest.mark.parametrize("outputs", ["eager"], indirect=True)  # the preflight test's output, no new engine
+def test_vllms_worker_process_logs_json_to_stdout_and_to_the_shipped_log_file(
+    outputs: tuple[Path, Path, list[dict]],
+) -> None:
+    """vLLM's worker process (its model load, compilation, KV cache: where start-up time goes)
+    logs through the job's chain: JSON events tagged ``component: vllm_worker`` on stdout, the
+    run's also in the log file shipped with the output."""
+    vllm_dir, _, events = outputs
+    names = [e["event"] for e in events]
+    run_started = events[names.index("run_started")]
+    loads = [
+        i
+        for i, e in enumerate(events)
+        if e.get("component") == "vllm_worker" and e["event"].startswith("Starting to load model")
+    ]
+    # the preflight's engine, then the run's, each logged its worker's model load
+    assert len(loads) == 2
+    assert loads[0] < names.index("preflight_passed") < names.index("run_started") < loads[1]
+    assert events[loads[1]]["logger"].startswith("vllm.") and events[loads[1]]["level"] == "info"
+    shipped = vllm_dir / "index-00000" / "logs" / f"{run_started['run_id']}.jsonl"
+    logged = [json.loads(line) for line in shipped.read_text().splitlines()]
+    worker = [e for e in logged if e.get("component") == "vllm_worker"]
+    assert events[loads[1]] in worker
+    assert {e["event"] for e in worker} <= {e["event"] for e in events}
+    print(f"\n{len(worker)} worker records in the shipped log, e.g. {worker[0]['event'][:80]!r}")
+
+
+@pytest.mark.parametrize("outputs", ["eager"], indirect=True)  # the preflight test's output, no new engine
 def test_output_dataset_reads_the_vllm_output_as_iter_output_does(
     outputs: tuple[Path, Path, list[dict]],
 ) -> None:

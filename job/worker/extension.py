@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from job.logs import configure_worker_logging
+
+# vLLM imports this module in each worker process as the worker starts, before its model loads.
+configure_worker_logging()
+
 
 class HiddenStateCaptureExtension:
     def hs_install(
