@@ -9,8 +9,8 @@ docs/benchmarks/results.jsonl (``config: preflight``).
     python -m job.benchmarks.preflight_time --cases llama-compiled,llama-eager,deepseek-compiled
 
 CPU settings as the tests use them (vLLM's CPU build): a 1 GiB KV cache, 16-token blocks. With
-``--gpu``, GPU settings (vLLM's own KV sizing at ``--gpu-memory-utilization``, larger steps), and
-cases may name a model of ``python -m job bench`` (``bench:kimi-k2-proxy``): its real
+``--gpu``, GPU settings (vLLM's own KV sizing at ``--gpu-memory-utilization``, the job's step
+sizes), and cases may name a model of ``python -m job bench`` (``bench:kimi-k2-proxy``): its real
 architecture's config with vLLM's dummy weights and the tiny Llama's tokenizer, for both commands::
 
     python -m job.benchmarks.preflight_time --gpu --cases bench:kimi-k2-proxy
@@ -38,11 +38,8 @@ CPU_SETTINGS = (
     "--backend.vllm.max_num_seqs=4",
     "--data.max_length=256",
 )
-GPU_SETTINGS = (
-    "--backend.vllm.max_num_batched_tokens=8192",
-    "--backend.vllm.max_num_seqs=64",
-    "--data.max_length=4096",
-)
+# The job's own step sizes (rows before 2026-12-05 16:00 UTC: 8192 tokens, 64 sequences).
+GPU_SETTINGS = ("--data.max_length=4096",)
 CASES: dict[str, tuple[list[str], dict[str, str]]] = {
     "llama-compiled": (["--model.path=builtin:tiny-llama"], {}),
     "llama-eager": (["--model.path=builtin:tiny-llama", "--backend.vllm.enforce_eager=true"], {}),
@@ -62,14 +59,16 @@ CASES: dict[str, tuple[list[str], dict[str, str]]] = {
 }
 
 
-def _case(case: str, scratch: Path) -> tuple[list[str], dict[str, str]]:
-    """A case's settings and environment; ``bench:<model>``: that bench model, dummy weights."""
+def _case(case: str, cache: Path) -> tuple[list[str], dict[str, str]]:
+    """A case's settings and environment; ``bench:<model>``: that bench model, dummy weights,
+    in a directory under ``cache`` that stays: vLLM's compile cache is keyed by the model's
+    path, so a fresh directory per invocation would never find it warm."""
     if not case.startswith("bench:"):
         return CASES[case]
     from job.benchmarks.throughput import _chat_model
 
     name = case.split(":", 1)[1]
-    model_dir, _ = _chat_model(argparse.Namespace(model=name, work_dir=str(scratch)))
+    model_dir, _ = _chat_model(argparse.Namespace(model=name, work_dir=str(cache)))
     dummy = '--backend.vllm.engine_args={"load_format": "dummy"}'
     return [f"--model.path={model_dir}", dummy], {}
 
@@ -113,6 +112,14 @@ def main() -> None:
     parser.add_argument("--log-dir", help="each command's whole output (vLLM's timings among it) goes here")
     parser.add_argument("--gpu", action="store_true", help="GPU settings (default: the tests' CPU settings)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument(
+        "--preflight-arg",
+        action="append",
+        default=[],
+        help="a setting for the preflight only (repeatable), e.g. "
+        "--preflight-arg=--preflight.max_cudagraph_capture_size=null",
+    )
+    parser.add_argument("--no-run", action="store_true", help="time the preflight only")
     options = parser.parse_args()
     if options.gpu:
         memory = f"--backend.vllm.gpu_memory_utilization={options.gpu_memory_utilization}"
@@ -128,7 +135,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="preflight-bench-") as scratch:
         cache = os.environ.get("JOB_CACHE_DIR") or str(Path(scratch) / "cache")
         for case in options.cases.split(","):
-            case_args, extra = _case(case, Path(scratch))
+            case_args, extra = _case(case, Path(cache))
             args = [*device_args, *case_args]
             env = {
                 **{k: v for k, v in os.environ.items() if not k.startswith("JOB_")},
@@ -140,19 +147,26 @@ def main() -> None:
             load_before = os.getloadavg()[0]
             logs = Path(options.log_dir) if options.log_dir else None
             name = case.replace(":", "-")
+            stamp = time.strftime("%H%M%S")
             preflight_s, events = _run(
-                "preflight", [*args, f"--output.uri={out}-pre"], env, logs and logs / f"{name}.preflight.log"
+                "preflight",
+                [*args, *options.preflight_arg, f"--output.uri={out}-pre"],
+                env,
+                logs and logs / f"{name}.{stamp}.preflight.log",
             )
             report = next(e for e in events if e["event"] == "preflight_passed")
             engine = next(e for e in events if e["event"] == "preflight_engine")
-            run_s, run_events = _run(
-                "run",
-                [*args, f"--output.uri={out}", "--preflight.before_run=false"],
-                env,
-                logs and logs / f"{name}.run.log",
-            )
-            startup = _instant(run_events, "vllm_ready") - _instant(run_events, "adapter_selected")
-            finished = next(e for e in run_events if e["event"] == "run_finished")
+            run_s = startup = None
+            finished: dict[str, Any] = {}
+            if not options.no_run:
+                run_s, run_events = _run(
+                    "run",
+                    [*args, f"--output.uri={out}", "--preflight.before_run=false"],
+                    env,
+                    logs and logs / f"{name}.{stamp}.run.log",
+                )
+                startup = _instant(run_events, "vllm_ready") - _instant(run_events, "adapter_selected")
+                finished = next(e for e in run_events if e["event"] == "run_finished")
             row = {
                 "run_id": run_id,
                 "config": "preflight",
@@ -166,19 +180,23 @@ def main() -> None:
                 "compiled": "eager" not in case,
                 "preflight_seconds": round(preflight_s, 1),
                 "preflight_stage_seconds": report["seconds"],
+                "preflight_engine_seconds": report["engine_seconds"],
+                "settings": args,
+                "preflight_args": options.preflight_arg,
                 "reduced_depth": f"{len(engine['kept_layers'])} of {engine['full_depth']}",
-                "run_seconds": round(run_s, 1),
-                "run_engine_startup_seconds": round(startup, 1),
-                "run_tokens": finished["tokens"],
+                "run_seconds": None if run_s is None else round(run_s, 1),
+                "run_engine_startup_seconds": None if startup is None else round(startup, 1),
+                "run_tokens": finished.get("tokens"),
                 "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],
                 "notes": "process wall times; run without preflight; "
                 + ("GPU, dummy weights for both" if options.gpu else "CPU build, shared 2-core machine"),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
+            ran = "not run" if run_s is None else f"{run_s:.1f} s, its engine start-up {startup:.1f} s"
             print(
-                f"{case}: preflight {preflight_s:.1f} s {report['seconds']} (depth {row['reduced_depth']}); "
-                f"run {run_s:.1f} s, its engine start-up {startup:.1f} s; load {row['load_average']}",
+                f"{case}: preflight {preflight_s:.1f} s {report['seconds']} {report['engine_seconds']} "
+                f"(depth {row['reduced_depth']}); run {ran}; load {row['load_average']}",
                 flush=True,
             )
     if not options.no_write:
