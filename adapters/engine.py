@@ -30,9 +30,10 @@ def build_engine_config(
 
     ``generating``: Model Runner V1 where the line has it (``model_runner_v1``) unless
     ``VLLM_USE_V2_MODEL_RUNNER`` says otherwise: a tiny model's generating run on V2 (vLLM 0.26's
-    default for dense models on a GPU) hung in its start-up on an H200 on 2026-12-01, a case not
-    run again; on 2026-12-05 an 8B generating run on V2 neither hung nor lagged (0.994x plain
-    ``LLM.generate``; V1 1.029x; docs/benchmarks.md). From 0.34 V2 is the only runner (vLLM
+    default for dense models on a GPU) hung in its start-up on an H200 on 2026-12-01; on
+    2026-12-05 that same run completed on V2 on an H100, and an 8B generating run on V2 neither
+    hung nor lagged (0.994x plain ``LLM.generate``; V1 1.029x; docs/benchmarks.md), so the hang's
+    cause is unknown and V1 stays the default. From 0.34 V2 is the only runner (vLLM
     refuses the variable set to 0), so such runs generate on V2. On a CPU build:
     whole prompts per step (no chunked prefill, a token budget of at least max_model_len): vLLM
     rewinds a seeded request's generator after a partial prefill (``Generator.set_offset``),
