@@ -66,6 +66,7 @@ class Reduction:
     layer_ids: list[int]  # the run's layer ids, renumbered
     hf_overrides: dict[str, Any]  # for vLLM's ModelConfig
     kinds: list[str]  # kind of each kept layer (MLP dense/MoE, the config's layer_types)
+    target_kinds: list[str]  # kind of each of the target's layers
     why_full: str | None = None  # why no reduction was possible
 
     @property
@@ -114,9 +115,9 @@ def reduce_depth(config: dict[str, Any], layer_ids: list[int]) -> Reduction:
     expected = [kinds[i] for i in kept]
     if layer_kinds({**text, **overrides}) != expected:
         full = list(range(n))
-        return Reduction(n, full, list(layer_ids), {}, kinds, why_full="the config's layer pattern")
+        return Reduction(n, full, list(layer_ids), {}, kinds, kinds, why_full="the config's layer pattern")
     nested = {"text_config": overrides} if "text_config" in config else overrides
-    return Reduction(n, kept, ids, nested, expected)
+    return Reduction(n, kept, ids, nested, expected, kinds)
 
 
 @dataclass
@@ -327,8 +328,7 @@ def _check_engine(setup: RunSetup, report: PreflightReport, log: Any) -> None:
         f"pipeline: {checked}",
         f"layer sources at full depth: {sources}",
     ]
-    kinds = layer_kinds(model.config.get("text_config") or model.config)
-    estimate = full_depth_memory(memory, reduction, kinds)
+    estimate = full_depth_memory(memory, reduction)
     report.memory = asdict(estimate)
     report.not_proven += [
         "the weights themselves (none was read: load format dummy)",
@@ -409,8 +409,9 @@ class FullDepthMemory:
         )
 
 
-def full_depth_memory(memory: EngineMemory, reduction: Reduction, kinds: list[str]) -> FullDepthMemory:
-    """``memory`` of the reduced engine scaled to the ``kinds`` of every layer of the target."""
+def full_depth_memory(memory: EngineMemory, reduction: Reduction) -> FullDepthMemory:
+    """``memory`` of the reduced engine scaled to the kinds of every layer of the target."""
+    kinds = reduction.target_kinds
     built = memory.weight_bytes
     if reduction.why_full is not None:  # the engine was built at full depth
         full, kv_bytes, kv_tokens = built, memory.kv_cache_bytes, memory.kv_tokens

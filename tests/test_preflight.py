@@ -60,13 +60,14 @@ def _kimi_reduced_engine(device: str, kv_cache_gib: float) -> EngineMemory:
 def test_memory_at_full_depth_scales_each_layer_kind_and_takes_the_extra_weights_from_the_kv_cache() -> None:
     reduction = reduce_depth(KIMI_K2, eagle3_default_layer_ids(61))
     kinds = layer_kinds(KIMI_K2["text_config"])
-    estimate = full_depth_memory(_kimi_reduced_engine("cuda", 500), reduction, kinds)
+    assert reduction.target_kinds == kinds
+    estimate = full_depth_memory(_kimi_reduced_engine("cuda", 500), reduction)
     assert estimate.weight_bytes == int((2 + 0.5 + 60 * 8) * GIB)
     assert estimate.kv_cache_bytes == int((500 - 56 * 8) * GIB)  # 56 MoE layers more than built
     assert estimate.kv_tokens == int(estimate.kv_cache_bytes // (16 * 1024 * 61 / 5))  # KV per token x 61/5
     assert "weights about 482.5 GiB (34.5 GiB built)" in estimate.check(0.9)
     # On a CPU build the KV cache is a fixed space beside the weights: only the estimate is said.
-    on_cpu = full_depth_memory(_kimi_reduced_engine("cpu", 20), reduction, kinds)
+    on_cpu = full_depth_memory(_kimi_reduced_engine("cpu", 20), reduction)
     assert on_cpu.kv_cache_bytes == 20 * GIB and "KV cache about 20.0 GiB" in on_cpu.check(0.9)
 
 
@@ -74,9 +75,7 @@ def test_a_gpu_without_room_for_one_sample_at_full_depth_fails_the_preflight_nam
     """The reduced engine fits (vLLM built it), but the 56 MoE layers it lacks take more than its
     KV cache: vLLM would stop after loading the real weights."""
     reduction = reduce_depth(KIMI_K2, eagle3_default_layer_ids(61))
-    estimate = full_depth_memory(
-        _kimi_reduced_engine("cuda", 400), reduction, layer_kinds(KIMI_K2["text_config"])
-    )
+    estimate = full_depth_memory(_kimi_reduced_engine("cuda", 400), reduction)
     assert estimate.kv_cache_bytes < 0
     with pytest.raises(PreflightFailed) as failed:
         estimate.check(0.85)

@@ -267,16 +267,13 @@ def build_engine(
     engine = Engine(adapters, version, vllm_config, executor, ring)
     try:
         _start(engine, layer_ids, mode, log)
-    except Exception as exc:
+    except BaseException as exc:
         # A compiled tap fails in the workers' first forwards (the KV cache's profiling or warm-up),
         # which vLLM reports as a RuntimeError; the tap said so through the ring (read before close).
-        mismatch = engine.worker_mismatch()
+        mismatch = engine.worker_mismatch() if isinstance(exc, Exception) else None
         engine.close()
         if mismatch is not None:
             raise mismatch from exc
-        raise
-    except BaseException:
-        engine.close()
         raise
     return engine
 
