@@ -65,10 +65,9 @@ def _case(case: str, cache: Path) -> tuple[list[str], dict[str, str]]:
     path, so a fresh directory per invocation would never find it warm."""
     if not case.startswith("bench:"):
         return CASES[case]
-    from job.benchmarks.throughput import _chat_model
+    from job.benchmarks.throughput import chat_model
 
-    name = case.split(":", 1)[1]
-    model_dir, _ = _chat_model(argparse.Namespace(model=name, work_dir=str(cache)))
+    model_dir, _ = chat_model(case.split(":", 1)[1], cache)
     dummy = '--backend.vllm.engine_args={"load_format": "dummy"}'
     return [f"--model.path={model_dir}", dummy], {}
 

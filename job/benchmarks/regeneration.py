@@ -351,15 +351,10 @@ def _bench_model(args: argparse.Namespace, data: Path) -> Path:
 
     if args.user_turns != 1:
         raise SystemExit("--bench-model: conversations have one user turn (--user-turns 1)")
-    bench = argparse.Namespace(
-        model=args.bench_model,
-        work_dir=str(data.parent),
-        num_prompts=args.conversations,
-        median_tokens=args.user_tokens,
-        max_tokens=args.max_length // 2,
+    model_dir, _ = throughput.chat_model(args.bench_model, data.parent)
+    throughput.one_turn_conversations(
+        model_dir, data, args.conversations, args.user_tokens, args.max_length // 2
     )
-    model_dir, _ = throughput._chat_model(bench)
-    throughput._conversations(bench, model_dir).rename(data)
     return model_dir
 
 

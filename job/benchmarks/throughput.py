@@ -1235,12 +1235,13 @@ def _worker_job(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- regeneration
 
 
-def _chat_model(args: argparse.Namespace) -> tuple[Path, bool]:
-    """The bench model with a tokenizer and chat template, which regeneration renders turns with:
-    the builtin tiny Llama's (its ids, below 1024, are valid in every model's vocabulary here)."""
+def chat_model(name: str, work_dir: str | Path) -> tuple[Path, bool]:
+    """Bench model ``name`` (MODELS) in ``work_dir``/models, with a tokenizer and chat template,
+    which regeneration renders turns with: the builtin tiny Llama's (its ids, below 1024, are
+    valid in every model's vocabulary here). (directory, uses dummy weights)."""
     from job.tiny import builtin_model_dir
 
-    model_dir, dummy = _model_dir(args)
+    model_dir, dummy = _model_dir(argparse.Namespace(model=name, work_dir=str(work_dir)))
     if dummy:  # a builtin model has its own
         for file in builtin_model_dir("tiny-llama").iterdir():
             if file.name not in ("config.json", "generation_config.json") and file.suffix != ".safetensors":
@@ -1248,15 +1249,16 @@ def _chat_model(args: argparse.Namespace) -> tuple[Path, bool]:
     return model_dir, dummy
 
 
-def _conversations(args: argparse.Namespace, model_dir: Path) -> Path:
-    """``--num-prompts`` one-turn conversations, their user turns lognormal in length around
-    ``--median-tokens`` (random words of the tokenizer's vocabulary)."""
+def one_turn_conversations(
+    model_dir: Path, path: Path, count: int, median_tokens: int, max_tokens: int
+) -> Path:
+    """``count`` one-turn conversations written to ``path``, their user turns lognormal in length
+    around ``median_tokens`` (random words of ``model_dir``'s tokenizer's vocabulary)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rng = np.random.default_rng(1)
-    lengths = np.clip(rng.lognormal(math.log(args.median_tokens), 0.6, args.num_prompts), 32, args.max_tokens)
-    path = Path(args.work_dir) / "conversations.jsonl"
+    lengths = np.clip(rng.lognormal(math.log(median_tokens), 0.6, count), 32, max_tokens)
     with path.open("w") as f:
         for i, n in enumerate(lengths.astype(int)):
             text = tokenizer.decode(rng.integers(100, 1000, n).tolist())
@@ -1306,8 +1308,14 @@ def _worker_regenerate(args: argparse.Namespace) -> dict[str, Any]:
     from job.pipeline.runner import run_job
 
     work = Path(args.work_dir)
-    model_dir, dummy = _chat_model(args)
-    data = _conversations(args, model_dir)
+    model_dir, dummy = chat_model(args.model, args.work_dir)
+    data = one_turn_conversations(
+        model_dir,
+        Path(args.work_dir) / "conversations.jsonl",
+        args.num_prompts,
+        args.median_tokens,
+        args.max_tokens,
+    )
     out = work / "out-regenerate"
     shutil.rmtree(out, ignore_errors=True)
     settings = _regenerate_settings(args, model_dir, dummy, data, out)
