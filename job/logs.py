@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import sys
 import threading
@@ -117,12 +118,15 @@ _configured = threading.Event()  # configure_logging ran in this process
 
 
 def configure_logging(
-    settings: LogSettings, stream: IO[str] | None = None, event_prefix: str = "", component: str = ""
+    settings: LogSettings,
+    stream: IO[str] | None = None,
+    event_prefix: str = "",
+    defaults: dict[str, str] | None = None,
 ) -> None:
     """Configure structlog and the stdlib root logger once per process. ``event_prefix`` (the
     preflight's process): every event not named with it is renamed ``<prefix>.<event>``, so the
     run that follows is the only one logging ``run_started``, ``capture_installed``, ...
-    ``component``: given to every record that names none (a library's)."""
+    ``defaults``: fields given to every record that lacks them (a library's records)."""
     stream = stream or sys.stdout
     scrubber.refresh()
     use_console = settings.format == "console" or (settings.format == "auto" and stream.isatty())
@@ -140,8 +144,8 @@ def configure_logging(
     ]
     if event_prefix:
         shared.insert(0, _EventPrefix(event_prefix))
-    if component:
-        shared.insert(0, _DefaultComponent(component))
+    if defaults:
+        shared.insert(0, _Defaults(defaults))
     renderer: Any = (
         structlog.dev.ConsoleRenderer(colors=False)
         if use_console
@@ -181,11 +185,11 @@ def _export_worker_logging(**changes: Any) -> None:
 def configure_worker_logging() -> None:
     """In a vLLM worker process, which vLLM starts with the driver's environment: log as the
     driver does (format, level, secrets scrubbed), to stdout and the driver's log file, each
-    record tagged ``component: vllm_worker``. Without this, vLLM's worker-side records (model
-    load, compilation, CUDA graphs: where start-up time goes) were lost below warning level and
-    printed as plain text above it (by Python's last resort, or a handler a library's import
-    added). Nothing to do outside a worker of this job's driver, or where this process
-    configured its logging already (an in-process worker)."""
+    record tagged ``component: vllm_worker`` and ``process: VllmWorker-<rank>``. Without this,
+    vLLM's worker-side records (model load, compilation, CUDA graphs: where start-up time goes)
+    were lost below warning level and printed as plain text above it (by Python's last resort, or
+    a handler a library's import added). Nothing to do outside a worker of this job's driver, or
+    where this process configured its logging already (an in-process worker)."""
     from job.settings import LogSettings
 
     spec = os.environ.get(WORKER_LOGGING_ENV)
@@ -193,17 +197,20 @@ def configure_worker_logging() -> None:
         return
     options = json.loads(spec)
     settings = LogSettings(level=options["level"], format=options["format"])
-    configure_logging(settings, event_prefix=options.get("event_prefix", ""), component="vllm_worker")
+    # vLLM names its worker processes VllmWorker-<rank>: which TP rank logged a record.
+    worker = {"component": "vllm_worker", "process": multiprocessing.current_process().name}
+    configure_logging(settings, event_prefix=options.get("event_prefix", ""), defaults=worker)
     if options.get("file"):
         log_file.open(Path(options["file"]))
 
 
-class _DefaultComponent:
-    def __init__(self, component: str) -> None:
-        self.component = component
+class _Defaults:
+    def __init__(self, fields: dict[str, str]) -> None:
+        self.fields = fields
 
     def __call__(self, _logger: Any, _name: str, event_dict: dict[str, Any]) -> dict[str, Any]:
-        event_dict.setdefault("component", self.component)
+        for key, value in self.fields.items():
+            event_dict.setdefault(key, value)
         return event_dict
 
 

@@ -142,11 +142,14 @@ def test_vllms_worker_process_logs_json_to_stdout_and_to_the_shipped_log_file(
     # the preflight's engine, then the run's, each logged its worker's model load
     assert len(loads) == 2
     assert loads[0] < names.index("preflight_passed") < names.index("run_started") < loads[1]
-    assert events[loads[1]]["logger"].startswith("vllm.") and events[loads[1]]["level"] == "info"
+    load = events[loads[1]]
+    assert (
+        load["logger"].startswith("vllm.") and load["level"] == "info" and load["process"] == "VllmWorker-0"
+    )
     shipped = vllm_dir / "index-00000" / "logs" / f"{run_started['run_id']}.jsonl"
     logged = [json.loads(line) for line in shipped.read_text().splitlines()]
     worker = [e for e in logged if e.get("component") == "vllm_worker"]
-    assert events[loads[1]] in worker
+    assert load in worker
     assert {e["event"] for e in worker} <= {e["event"] for e in events}
     print(f"\n{len(worker)} worker records in the shipped log, e.g. {worker[0]['event'][:80]!r}")
 
