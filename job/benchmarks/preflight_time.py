@@ -9,8 +9,8 @@ docs/benchmarks/results.jsonl (``config: preflight``).
     python -m job.benchmarks.preflight_time --cases llama-compiled,llama-eager,deepseek-compiled
 
 CPU settings as the tests use them (vLLM's CPU build): a 1 GiB KV cache, 16-token blocks. With
-``--gpu``, GPU settings (vLLM's own KV sizing at ``--gpu-memory-utilization``, the job's step
-sizes), and cases may name a model of ``python -m job bench`` (``bench:kimi-k2-proxy``): its real
+``--gpu``, GPU settings (vLLM's own KV sizing at ``--gpu-memory-utilization``, larger steps), and
+cases may name a model of ``python -m job bench`` (``bench:kimi-k2-proxy``): its real
 architecture's config with vLLM's dummy weights and the tiny Llama's tokenizer, for both commands::
 
     python -m job.benchmarks.preflight_time --gpu --cases bench:kimi-k2-proxy
@@ -38,8 +38,13 @@ CPU_SETTINGS = (
     "--backend.vllm.max_num_seqs=4",
     "--data.max_length=256",
 )
-# The job's own step sizes (rows before 2026-12-05 16:00 UTC: 8192 tokens, 64 sequences).
-GPU_SETTINGS = ("--data.max_length=4096",)
+# Smaller steps than the job's defaults (16384, 128): the Kimi-class proxy's 8 layers of INT4
+# experts leave an 80 GB card about 2 GiB of KV cache at these (docs/benchmarks.md).
+GPU_SETTINGS = (
+    "--backend.vllm.max_num_batched_tokens=8192",
+    "--backend.vllm.max_num_seqs=64",
+    "--data.max_length=4096",
+)
 CASES: dict[str, tuple[list[str], dict[str, str]]] = {
     "llama-compiled": (["--model.path=builtin:tiny-llama"], {}),
     "llama-eager": (["--model.path=builtin:tiny-llama", "--backend.vllm.enforce_eager=true"], {}),
