@@ -83,6 +83,11 @@ class _FileTee:
             self.path = path
         _export_worker_logging(file=str(path))
 
+    @property
+    def open_path(self) -> str | None:
+        """The file events go to now; None when none is open."""
+        return None if self._file is None else str(self.path)
+
     def flush(self) -> None:
         with self._lock, contextlib.suppress(OSError):
             if self._file is not None:
@@ -172,8 +177,14 @@ def configure_logging(
     root.setLevel(max(level, logging.INFO))
     # vLLM installs its own handlers unless told not to; ours render its records.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-    _export_worker_logging(
-        level=settings.level, format="console" if use_console else "json", event_prefix=event_prefix
+    # Whole, not merged: what a parent process exported (its own log file) is not this one's.
+    os.environ[WORKER_LOGGING_ENV] = json.dumps(
+        {
+            "level": settings.level,
+            "format": "console" if use_console else "json",
+            "event_prefix": event_prefix,
+            "file": log_file.open_path,
+        }
     )
 
 
