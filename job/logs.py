@@ -201,11 +201,11 @@ def configure_worker_logging() -> None:
     were lost below warning level and printed as plain text above it (by Python's last resort, or
     a handler a library's import added). Nothing to do outside a worker of this job's driver, or
     where this process configured its logging already (an in-process worker)."""
-    from job.settings import LogSettings
-
     spec = os.environ.get(WORKER_LOGGING_ENV)
     if not spec or _configured.is_set():
         return
+    from job.settings import LogSettings
+
     options = json.loads(spec)
     settings = LogSettings(level=options["level"], format=options["format"])
     # vLLM names its worker processes VllmWorker-<rank>: which TP rank logged a record.

@@ -179,24 +179,20 @@ def _timed(seconds: dict[str, float], name: str) -> Iterator[None]:
         seconds[name] = round(time.monotonic() - started, 2)
 
 
-class _stage:
+@contextlib.contextmanager
+def _stage(report: PreflightReport, name: str) -> Iterator[None]:
     """Time a stage; an error in it that is no JobError (those name their setting and keep their
     exit code) becomes PreflightFailed naming the stage and the error."""
-
-    def __init__(self, report: PreflightReport, name: str) -> None:
-        self.report, self.name = report, name
-
-    def __enter__(self) -> None:
-        self.started = time.monotonic()
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _tb: Any) -> None:
-        self.report.seconds[self.name] = round(time.monotonic() - self.started, 2)
-        if exc is None or not isinstance(exc, Exception) or isinstance(exc, JobError):
-            return
-        raise PreflightFailed(
-            f"preflight: {self.name} check failed ({type(exc).__name__}: {exc}); nothing was written "
-            "to output.uri"
-        ) from exc
+    with _timed(report.seconds, name):
+        try:
+            yield
+        except JobError:
+            raise
+        except Exception as exc:
+            raise PreflightFailed(
+                f"preflight: {name} check failed ({type(exc).__name__}: {exc}); nothing was written "
+                "to output.uri"
+            ) from exc
 
 
 def _check_data(setup: RunSetup, report: PreflightReport) -> int:

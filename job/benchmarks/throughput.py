@@ -1308,10 +1308,10 @@ def _worker_regenerate(args: argparse.Namespace) -> dict[str, Any]:
     from job.pipeline.runner import run_job
 
     work = Path(args.work_dir)
-    model_dir, dummy = chat_model(args.model, args.work_dir)
+    model_dir, dummy = chat_model(args.model, work)
     data = one_turn_conversations(
         model_dir,
-        Path(args.work_dir) / "conversations.jsonl",
+        work / "conversations.jsonl",
         args.num_prompts,
         args.median_tokens,
         args.max_tokens,
