@@ -8,6 +8,8 @@
 #   memory         the preflight at gpu_memory_utilization 0.85, where the proxy's 8 layers leave
 #                  no KV cache: exit 2 naming the memory expected
 #   v2-regen       gpu-check.sh's generating run (tiny-chatml, all_turns) on Model Runner V2
+#   profile        `preflight` under py-spy: every process's sampled stacks, idle ones too, in time
+#                  order ($OUT/preflight.speedscope.json.gz; where a preflight's seconds go)
 # usage: bash .ci/gpu-preflight.sh STEP...   (GPU_MEMORY=0.95; logs $OUT/*.log, rows $OUT/preflight.jsonl)
 set -o pipefail
 source .devbundle/bin/vllm_env.sh || exit 1
@@ -27,6 +29,13 @@ for step in "$@"; do
       bench --gpu-memory-utilization "${GPU_MEMORY:-0.95}" --no-run \
         --preflight-arg=--preflight.max_cudagraph_capture_size=null ;;
     run) bench --gpu-memory-utilization "${GPU_MEMORY:-0.95}" ;;
+    profile)
+      timeout -k 10 "${LIMIT:-400}" /tmp/site/bin/py-spy record --subprocesses --idle --nonblocking --rate 25 \
+        --format speedscope -o "$OUT/preflight.speedscope.json" -- python3 -m job.benchmarks.preflight_time \
+        --gpu --no-write --log-dir "$OUT" --cases bench:kimi-k2-proxy --no-run \
+        --gpu-memory-utilization "${GPU_MEMORY:-0.95}" >>"$OUT/gpu_preflight.log" 2>&1
+      echo "rc=$?"
+      gzip -f "$OUT/preflight.speedscope.json" ;;
     memory)
       bench --gpu-memory-utilization 0.85 --no-run
       grep -ho 'preflight: memory[^"]*' "$OUT"/*.preflight.log | tail -1 ;;

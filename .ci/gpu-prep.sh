@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Here (not on the GPU machine): .whl/ (ignored by git), the cp312 x86_64 wheels of what the job
 # imports beyond the vLLM 0.26 bundle of ../shared/device/ (that bundle brings torch, vLLM,
-# transformers, pydantic, pyyaml), plus compressed-tensors and loguru for INT4 checkpoints.
+# transformers, pydantic, pyyaml), plus compressed-tensors and loguru for INT4 checkpoints, and
+# py-spy for .ci/gpu-preflight.sh's profile step.
 # .ci/gpu-check.sh, gpu-bench.sh and gpu-tp.sh install them there (.ci/gpu-wheels.sh).
 # Usage, from the checkout's root:  bash .ci/gpu-prep.sh   (~30 s, 28 MB)
 # Then carry ".whl" in the call with the bundle's last part (docs/gpu.md).
@@ -13,7 +14,7 @@ wheels=(
   boto3==1.44.8 botocore==1.44.8 s3transfer==0.19.3 jmespath==1.1.0 urllib3==2.8.0
   python-dateutil==2.9.0.post0 six==1.17.0 awscrt==0.38.0 pydantic-settings==2.16.3
   python-dotenv==1.2.4 structlog==26.1.0 orjson==3.13.0 psutil==7.2.2 zstandard==0.25.0
-  compressed-tensors==0.17.0 loguru==0.7.3
+  compressed-tensors==0.17.0 loguru==0.7.3 py-spy==0.4.3
 )
 PY=$py bash .ci/cp312-wheels.sh "$out" "${wheels[@]}"
 echo "$out: $(ls "$out" | wc -l) wheels, $(du -sh "$out" | cut -f1)"
