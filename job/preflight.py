@@ -65,13 +65,17 @@ class Reduction:
     kept: list[int]  # the target's layer indices the reduced model has, in order
     layer_ids: list[int]  # the run's layer ids, renumbered
     hf_overrides: dict[str, Any]  # for vLLM's ModelConfig
-    kinds: list[str]  # kind of each kept layer (MLP dense/MoE, the config's layer_types)
-    target_kinds: list[str]  # kind of each of the target's layers
+    target_kinds: list[str]  # kind of each of the target's layers (MLP dense/MoE, layer_types)
     why_full: str | None = None  # why no reduction was possible
 
     @property
     def depth(self) -> int:
         return len(self.kept)
+
+    @property
+    def kinds(self) -> list[str]:
+        """Kind of each kept layer."""
+        return [self.target_kinds[i] for i in self.kept]
 
 
 def layer_kinds(text: dict[str, Any]) -> list[str]:
@@ -115,9 +119,9 @@ def reduce_depth(config: dict[str, Any], layer_ids: list[int]) -> Reduction:
     expected = [kinds[i] for i in kept]
     if layer_kinds({**text, **overrides}) != expected:
         full = list(range(n))
-        return Reduction(n, full, list(layer_ids), {}, kinds, kinds, why_full="the config's layer pattern")
+        return Reduction(n, full, list(layer_ids), {}, kinds, why_full="the config's layer pattern")
     nested = {"text_config": overrides} if "text_config" in config else overrides
-    return Reduction(n, kept, ids, nested, expected, kinds)
+    return Reduction(n, kept, ids, nested, kinds)
 
 
 @dataclass
