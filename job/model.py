@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from job.errors import ConfigError
+from job.pretrained import PRETRAINED_MODELS, pretrained_model_dir
 from job.settings import ModelSettings
 from job.tiny import BUILTIN_MODELS, BUILTIN_PREFIX, builtin_model_dir
 
@@ -104,10 +105,13 @@ def _resolve_path(settings: ModelSettings) -> Path:
     name = settings.path
     if name.startswith(BUILTIN_PREFIX):
         builtin = name.removeprefix(BUILTIN_PREFIX)
+        if builtin in PRETRAINED_MODELS:
+            return pretrained_model_dir(builtin)
         if builtin not in BUILTIN_MODELS:
+            choices = [*BUILTIN_MODELS, *PRETRAINED_MODELS]
             raise ConfigError(
                 f"model.path: unknown builtin model {name!r}; "
-                f"choose one of {', '.join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)}"
+                f"choose one of {', '.join(BUILTIN_PREFIX + n for n in choices)}"
             )
         return builtin_model_dir(builtin)
     local = Path(name).expanduser()

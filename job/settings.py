@@ -55,7 +55,9 @@ class Section(BaseModel):
 class ModelSettings(Section):
     path: str = Field(
         "builtin:tiny-llama",
-        description="Local model directory, hub id, or builtin:tiny-llama / builtin:tiny-deepseek-v3",
+        description="Local model directory, hub id, a builtin tiny random model (builtin:tiny-llama, "
+        "tiny-chatml, tiny-deepseek-v3, tiny-qwen3) or builtin:smollm2-135m-instruct, a real pretrained "
+        "model built from a PyPI wheel (job.pretrained)",
     )
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     revision: str | None = None

