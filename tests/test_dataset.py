@@ -8,7 +8,8 @@ side is tests/test_dataset_s3.py).
 * following a job that is SIGKILLed twice and resumed: every sample once, the epoch ends alone;
 * a flipped byte (rows, header), a missing shard, a superseded index: errors naming the shard;
 * FP8 shards decoded as the safetensors-based reader decodes them; stored layers picked;
-* importing and reading with vLLM and pydantic-settings made unimportable.
+* importing and reading with vLLM and pydantic-settings made unimportable;
+* OutputReader.sample's unknown places: errors saying what the output holds.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from awscrt.checksums import combine_crc64nvme, crc64nvme
@@ -34,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from job.checksum import encode
 from job.errors import ConfigError, DamagedShard
-from job.shards import OutputChanged, OutputDataset, Shard, iter_output, read_manifest
+from job.shards import OutputChanged, OutputDataset, OutputReader, Shard, iter_output, read_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 CHAT = REPO / "config" / "examples" / "chat.jsonl"
@@ -457,3 +459,27 @@ def test_the_reading_side_needs_neither_vllm_nor_the_settings(
         timeout=60,
     )
     assert env_check.returncode != 0  # the refusal works
+
+
+def test_reader_sample_says_what_the_output_holds(output: Path) -> None:
+    reader = OutputReader(str(output))
+    manifest = reader.manifest("index-00000")
+    assert manifest is not None
+    entry = manifest.shards[0]
+    count = entry.num_samples
+    for last in (count - 1, np.int64(count - 1)):  # numpy's integers too (speculators' loader gives them)
+        assert reader.sample("index-00000", entry.name, last).sample_id == entry.sample_ids[-1]
+    for position in (count, -1):
+        holds = rf"{entry.name}: no sample at position {position}; it holds {count} \(positions 0 to"
+        with pytest.raises(IndexError, match=holds):
+            reader.sample("index-00000", entry.name, position)
+    shards = len(manifest.shards)
+    lists = rf"shard-99999.safetensors: not listed in index-00000/manifest.json; it lists {shards} shards: s"
+    with pytest.raises(LookupError, match=lists):
+        reader.sample("index-00000", "shard-99999.safetensors", 0)
+    with pytest.raises(
+        LookupError,
+        match=r"index-00007/manifest.json: no such manifest; .* holds indexes index-00000, index-00001$",
+    ):
+        reader.sample("index-00007", entry.name, 0)
+    reader.close()

@@ -39,8 +39,10 @@ import struct
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +141,13 @@ class ShardRows:
     def __len__(self) -> int:
         return len(self.sample_ids)
 
+    def _check(self, position: int) -> None:
+        if isinstance(position, bool) or not isinstance(position, Integral) or not 0 <= position < len(self):
+            raise IndexError(
+                f"{self.where}: no sample at position {position!r}; it holds {len(self)} "
+                f"(positions 0 to {len(self) - 1})"
+            )
+
     def tokens(self, position: int) -> int:
         return int(self.offsets[position + 1] - self.offsets[position])
 
@@ -146,6 +155,7 @@ class ShardRows:
         """Sample ``position``'s input ids and loss mask alone, its rows unread (remote: from the tail
         fetched when the shard was opened). Unchecked: the sample's checksum covers them only with
         its rows (``sample``)."""
+        self._check(position)
         a, b = int(self.offsets[position]), int(self.offsets[position + 1])
         ids, mask = self.tensors["input_ids"], self.tensors["loss_mask"]
         return (
@@ -171,6 +181,7 @@ class ShardRows:
     ) -> _Pending:
         """Start reading sample ``position``'s rows (``pool``: remote parts go there; ``buffers``:
         where their memory comes from)."""
+        self._check(position)
         a, b = int(self.offsets[position]), int(self.offsets[position + 1])
         start = self.tensors["hidden_states"].start
         return self._body.fetch(start + a * self.row_bytes, start + b * self.row_bytes, pool, buffers)
@@ -188,8 +199,7 @@ class ShardRows:
 
     def build(self, position: int, rows: memoryview, layers: list[int] | None = None) -> Sample:
         """Sample ``position`` from its rows' bytes (``fetch``), checked first."""
-        if not 0 <= position < len(self):
-            raise IndexError(f"{self.where}: no sample {position} (it holds {len(self)})")
+        self._check(position)
         a, b = int(self.offsets[position]), int(self.offsets[position + 1])
         parts = [rows]
         scales = None
@@ -408,6 +418,9 @@ class OutputReader:
     ) -> None:
         """``future``: the output may not exist yet (a reader following a job about to start);
         ``max_open``: shards kept open (a local one's pages stay resident while it is mapped)."""
+        for name, value in (("read_threads", read_threads), ("max_open", max_open)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{setting}: {name}={value!r}; give a whole number of at least 1")
         self.uri = str(uri)
         self.max_open = max_open
         self.verify = verify
@@ -526,7 +539,25 @@ class OutputReader:
         return opened
 
     def sample(self, index: str, name: str, position: int, layers: list[int] | None = None) -> Sample:
-        """One sample: ``position`` among shard ``name``'s samples (the manifest's ``sample_ids`` order)."""
+        """One sample: ``position`` among shard ``name``'s samples (the manifest's ``sample_ids`` order).
+        An index, shard or position the output does not hold raises ``LookupError`` (``IndexError``
+        for a position) saying what it holds."""
+        with self._lock:
+            manifest = self._manifests.get(index)
+        if manifest is None or name not in {entry.name for entry in manifest.shards}:
+            manifest = self.manifest(index)  # the last one read may be older than the shard
+        if manifest is None:
+            present = self.index_names()
+            raise LookupError(
+                f"{self.where(index, MANIFEST)}: no such manifest; {self.location} holds "
+                + (f"indexes {_some(present)}" if present else "no index-*")
+            )
+        names = [entry.name for entry in manifest.shards]
+        if name not in names:
+            raise LookupError(
+                f"{self.where(index, name)}: not listed in {index}/{MANIFEST}; it lists "
+                + (f"{len(names)} shards: {_some(names)}" if names else "no shard")
+            )
         return self.shard(index, name).sample(position, layers)
 
     def _open_shard(self, index: str, entry: ShardEntry) -> ShardRows:
@@ -573,6 +604,12 @@ class OutputReader:
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("an OutputReader is opened where it is used (connections and mappings do not travel)")
+
+
+def _some(items: Sequence[str], limit: int = 8) -> str:
+    """``items`` for a message: the first ``limit`` and how many more."""
+    shown = ", ".join(items[:limit])
+    return shown if len(items) <= limit else f"{shown} and {len(items) - limit} more"
 
 
 def _check_size(where: str, size: int, entry: ShardEntry) -> None:
