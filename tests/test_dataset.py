@@ -9,7 +9,12 @@ side is tests/test_dataset_s3.py).
 * a flipped byte (rows, header), a missing shard, a superseded index: errors naming the shard;
 * FP8 shards decoded as the safetensors-based reader decodes them; stored layers picked;
 * importing and reading with vLLM and pydantic-settings made unimportable;
-* OutputReader.sample's unknown places: errors saying what the output holds.
+* more ranks than shards: shards split by sample, every rank reads some, resumed exactly; more
+  ranks than samples refused before the first sample;
+* an incomplete output refused without follow (read with allow_incomplete); a follower that
+  waits stall_timeout_s with nothing new listed raises, naming what is incomplete;
+* arguments, states of other outputs or of no dataset, set_epoch mid-epoch, a main-process state
+  of a plain DataLoader's workers, OutputReader.sample's unknown places: clear errors.
 """
 
 from __future__ import annotations
@@ -36,7 +41,17 @@ from torch.utils.data import DataLoader
 
 from job.checksum import encode
 from job.errors import ConfigError, DamagedShard
-from job.shards import OutputChanged, OutputDataset, OutputReader, Shard, iter_output, read_manifest
+from job.shards import (
+    IncompleteOutputWarning,
+    OutputChanged,
+    OutputDataset,
+    OutputIncomplete,
+    OutputReader,
+    OutputStalled,
+    Shard,
+    iter_output,
+    read_manifest,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 CHAT = REPO / "config" / "examples" / "chat.jsonl"
@@ -70,6 +85,22 @@ def output(
 @pytest.fixture(scope="module")
 def expected(output: Path) -> dict[str, Any]:
     return {s.sample_id: s for s in iter_output(output, require_complete=True)}
+
+
+@pytest.fixture(scope="module")
+def one_shard(
+    tmp_path_factory: pytest.TempPathFactory, run_job: Callable[..., Any], fast_args: tuple[str, ...]
+) -> Path:
+    """An output of one index holding one shard, written by the job."""
+    root = tmp_path_factory.mktemp("one-shard")
+    out = root / "out"
+    result = run_job(
+        "run", f"--data.path={chat_lines(root)}", f"--output.uri={out}", "--output.shard_bytes=64MiB",
+        "--data.max_length=512", *fast_args,
+    )  # fmt: skip
+    assert result.rc == 0, result.describe()
+    assert len(listed(out)) == 1
+    return out
 
 
 def copy_of(output: Path, tmp_path: Path) -> Path:
@@ -160,6 +191,51 @@ def test_the_order_is_a_function_of_seed_and_epoch(output: Path) -> None:
     assert plain == order(None, 0) != first
 
 
+def test_more_ranks_than_shards_split_shards_by_sample(one_shard: Path) -> None:
+    """Four ranks over one shard: each reads a quarter of its samples (whole shards gave 0/0/0/n,
+    and a rank without samples hangs the others' first DDP step), with and without follow."""
+    (_, entry), *_ = listed(one_shard)
+    for follow in (False, True):
+        by_rank = [
+            [
+                s["sample_id"]
+                for s in read_all(
+                    OutputDataset(str(one_shard), rank=rank, world_size=4, shuffle_seed=3, follow=follow),
+                    workers=2,
+                )
+            ]
+            for rank in range(4)
+        ]
+        counts = [len(ids) for ids in by_rank]
+        print(f"\nfollow={follow}: {entry.num_samples} samples of one shard over 4 ranks: {counts}")
+        assert min(counts) == entry.num_samples // 4 and max(counts) - min(counts) <= 1, (follow, counts)
+        everything = [sid for ids in by_rank for sid in ids]
+        assert sorted(everything) == sorted(entry.sample_ids) and len(set(everything)) == len(everything)
+
+
+def test_more_ranks_than_shards_over_two_indexes(output: Path, expected: dict[str, Any]) -> None:
+    world = len(listed(output)) + 3
+    by_rank = [
+        [s["sample_id"] for s in read_all(OutputDataset(str(output), rank=rank, world_size=world), workers=0)]
+        for rank in range(world)
+    ]
+    assert all(by_rank), [len(ids) for ids in by_rank]
+    everything = [sid for ids in by_rank for sid in ids]
+    assert sorted(everything) == sorted(expected) and len(set(everything)) == len(everything)
+
+
+def test_more_ranks_than_samples_are_refused_before_the_first_sample(one_shard: Path) -> None:
+    (_, entry), *_ = listed(one_shard)
+    world = entry.num_samples + 1
+    for follow in (False, True):
+        dataset = OutputDataset(str(one_shard), rank=0, world_size=world, follow=follow)
+        refused = (
+            rf"holds {entry.num_samples} samples in 1 shards; split over world_size {world}, ranks \d+ get"
+        )
+        with pytest.raises(ValueError, match=refused):
+            next(iter(dataset))
+
+
 # -- resume ---------------------------------------------------------------------------------------
 
 READER = r"""
@@ -220,6 +296,39 @@ def test_a_reader_killed_mid_epoch_resumes_from_its_state(
     assert proc.returncode == 0 and out.endswith("END\n"), err
     resumed = torch.load(checkpoint, weights_only=False)["ids"]
     assert resumed == uninterrupted  # none twice, none lost, in the same order
+
+
+def test_a_split_shard_resumes_mid_epoch_exactly(one_shard: Path) -> None:
+    """A state taken inside a piece of a split shard continues with exactly the rest: in one
+    process, and through StatefulDataLoader workers (one of which has nothing to read)."""
+
+    def dataset(rank: int = 1, world: int = 3) -> OutputDataset:
+        return OutputDataset(str(one_shard), rank=rank, world_size=world, shuffle_seed=5, shuffle_shards=2)
+
+    whole = [s["sample_id"] for s in dataset()]
+    first = dataset()
+    iterator = iter(first)
+    head = [next(iterator)["sample_id"] for _ in range(3)]
+    state = first.state_dict()
+    iterator.close()  # type: ignore[attr-defined]
+    assert [key[4] for key in state["window"]] == [3] and state["taken"] == 3  # a third of the shard
+    resumed = dataset()
+    resumed.load_state_dict(state)
+    assert head + [s["sample_id"] for s in resumed] == whole
+
+    if not os.environ.get("CI"):  # CI installs it (the [train] extra); a shared dev venv may not
+        pytest.importorskip("torchdata", reason="torchdata (eagle3-extract[train]) is not installed")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    whole = [s["sample_id"] for s in StatefulDataLoader(dataset(0, 2), batch_size=None, num_workers=2)]
+    loader = StatefulDataLoader(dataset(0, 2), batch_size=None, num_workers=2)
+    iterator = iter(loader)
+    head = [next(iterator)["sample_id"] for _ in range(4)]
+    state = loader.state_dict()
+    del iterator, loader
+    loader = StatefulDataLoader(dataset(0, 2), batch_size=None, num_workers=2)
+    loader.load_state_dict(state)
+    assert head + [s["sample_id"] for s in loader] == whole
 
 
 def test_state_of_another_world_size_is_refused(output: Path) -> None:
@@ -374,7 +483,7 @@ def test_a_superseded_index_stops_a_resumed_epoch(
         next(iterator)
     state = dataset.state_dict()
     iterator.close()  # type: ignore[attr-defined]
-    read = {name for names in state["done"].values() for name in names} | {w[1] for w in state["window"]}
+    read = {key[1] for key in state["done"] + state["window"]}
     assert read
     shutil.rmtree(out / "index-00000")
     shutil.rmtree(out / "index-00001")
@@ -459,6 +568,190 @@ def test_the_reading_side_needs_neither_vllm_nor_the_settings(
         timeout=60,
     )
     assert env_check.returncode != 0  # the refusal works
+
+
+# -- incomplete outputs -------------------------------------------------------------------------
+
+
+def stop_index(out: Path, index: str, keep: int) -> list[str]:
+    """Index ``index``'s manifest as a killed run leaves it: its first ``keep`` shards, not complete
+    (the job's own manifest, cut). Returns the listed samples."""
+    path = out / index / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["shards"] = manifest["shards"][:keep]
+    manifest["complete"] = False
+    path.write_text(json.dumps(manifest))
+    return [sid for entry in manifest["shards"] for sid in entry["sample_ids"]]
+
+
+def test_an_incomplete_output_is_refused_without_follow(output: Path, tmp_path: Path) -> None:
+    out = copy_of(output, tmp_path)
+    shutil.rmtree(out / "index-00001")  # as after running work.index=0 of work.count=2 alone
+    kept = stop_index(out, "index-00000", 2)
+    incomplete = r"index-00000 \(2 shards listed, not complete\), index-00001 \(no manifest.json"
+    for workers in (0, 2):  # raised in the worker, re-raised here
+        with pytest.raises(OutputIncomplete, match=rf"{out} is not complete: {incomplete}"):
+            read_all(OutputDataset(str(out)), workers=workers)
+    with pytest.warns(IncompleteOutputWarning, match=rf"not complete \({incomplete}"):
+        got = [s["sample_id"] for s in OutputDataset(str(out), allow_incomplete=True, shuffle_seed=1)]
+    assert sorted(got) == sorted(kept)
+    (out / "extraction.json").unlink()
+    with pytest.raises(OutputIncomplete, match=r"extraction.json \(missing: .* how many indexes there are"):
+        read_all(OutputDataset(str(out)), workers=0)
+
+
+def test_following_never_waits_forever(output: Path, expected: dict[str, Any], tmp_path: Path) -> None:
+    """A path no job writes to, a job that died, an output without extraction.json: what is listed
+    is read, then OutputStalled names what is missing after stall_timeout_s with nothing new."""
+
+    def follow(uri: Path, got: list[str]) -> None:
+        for sample in OutputDataset(str(uri), follow=True, stall_timeout_s=1, poll_interval_s=0.1):
+            got.append(sample["sample_id"])
+
+    started = time.monotonic()
+    with pytest.raises(OutputStalled, match=r"holds no extraction.json and no index-\*"):
+        follow(tmp_path / "never", [])
+    assert time.monotonic() - started < 10
+    out = copy_of(output, tmp_path)
+    whole = (out / "index-00001" / "manifest.json").read_text()
+    stop_index(out, "index-00001", 1)
+    listed_now = [sid for _, entry in listed(out) for sid in entry.sample_ids]
+    got: list[str] = []
+    with pytest.raises(
+        OutputStalled, match=r"still incomplete: index-00001 \(1 shards listed, not complete\)"
+    ):
+        follow(out, got)
+    assert sorted(got) == sorted(listed_now) and len(listed_now) < len(expected)
+    (out / "index-00001" / "manifest.json").write_text(whole)
+    (out / "extraction.json").unlink()  # read anyway: today it yields nothing and never ends
+    got = []
+    with pytest.raises(OutputStalled, match=r"still incomplete: extraction.json \(missing"):
+        follow(out, got)
+    assert sorted(got) == sorted(expected)
+
+
+def test_a_follower_waits_while_shards_keep_coming(
+    output: Path, expected: dict[str, Any], tmp_path: Path
+) -> None:
+    """The stall timer counts from the last new listing: manifests growing a shard every 0.4 s
+    keep a follower with stall_timeout_s=1.5 reading for longer than that, to the end."""
+    out = copy_of(output, tmp_path)
+    manifests = {
+        index: json.loads((out / index / "manifest.json").read_text())
+        for index in ("index-00000", "index-00001")
+    }
+    for index in manifests:
+        (out / index / "manifest.json").unlink()
+    steps = max(len(m["shards"]) for m in manifests.values())
+
+    def commit() -> None:
+        for step in range(1, steps + 1):
+            time.sleep(0.4)
+            for index, manifest in manifests.items():
+                grown = {
+                    **manifest,
+                    "shards": manifest["shards"][:step],
+                    "complete": step >= len(manifest["shards"]),
+                }
+                (out / index / "manifest.tmp").write_text(json.dumps(grown))
+                os.replace(out / index / "manifest.tmp", out / index / "manifest.json")
+
+    writer = threading.Thread(target=commit)
+    started = time.monotonic()
+    writer.start()
+    try:
+        got = [
+            s["sample_id"]
+            for s in OutputDataset(str(out), follow=True, stall_timeout_s=1.5, poll_interval_s=0.05)
+        ]
+    finally:
+        writer.join()
+    assert time.monotonic() - started > 1.5 and sorted(got) == sorted(expected)
+
+
+# -- arguments and states -----------------------------------------------------------------------
+
+
+def test_arguments_are_checked_when_the_dataset_is_made(output: Path) -> None:
+    for arguments, refused in [
+        ({"layers": []}, r"layers=\[\] picks no layer"),
+        ({"layers": [2, 5, 2]}, r"layers \[2, 5, 2\] name \[2\] more than once"),
+        ({"layers": "2,5"}, r"layers='2,5'; give a list of stored layer ids"),
+        ({"layers": [2.0]}, r"layers \[2.0\] are not layer ids"),
+        ({"read_threads": 0}, r"read_threads=0; give a whole number of at least 1"),
+        ({"shuffle_shards": 0}, r"shuffle_shards=0"),
+        ({"stall_timeout_s": 0}, r"stall_timeout_s=0; give a number of seconds above 0"),
+        ({"follow": True, "allow_incomplete": True}, r"give one"),
+    ]:
+        with pytest.raises(ValueError, match=refused):
+            OutputDataset(str(output), **arguments)
+
+
+def test_states_not_of_this_dataset_are_refused(output: Path, tmp_path: Path) -> None:
+    dataset = OutputDataset(str(output), shuffle_seed=1)
+    iterator = iter(dataset)
+    next(iterator)
+    state = dataset.state_dict()
+    iterator.close()  # type: ignore[attr-defined]
+    other = copy_of(output, tmp_path)
+    for given, refused in [
+        ({k: v for k, v in state.items() if k not in ("window", "taken")}, r"missing window, taken"),
+        ({**state, "done": {"index-00000": {}}}, r"done: Input should be a valid list"),
+        (
+            {**state, "window": [["index-00000", "shard-00000.safetensors"]]},
+            r"missing window\.0\.2, window\.0\.3",
+        ),
+        ({**state, "version": 1}, r"state version 1, this reader reads 2"),
+        ([state], r"the state: Input should be a valid dictionary"),
+        ({"_snapshot": {}, "_steps_since_snapshot": 0}, r"a StatefulDataLoader's state"),
+    ]:
+        with pytest.raises(ValueError, match=refused):
+            OutputDataset(str(output), shuffle_seed=1).load_state_dict(given)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=rf"uri '{output}' \(now '{other}'\)"):
+        OutputDataset(str(other), shuffle_seed=1).load_state_dict(state)
+    resumed = OutputDataset(str(output) + "/", shuffle_seed=1)  # the same output, spelled otherwise
+    resumed.load_state_dict(state)
+    assert len(list(resumed)) == len(list(iter_output(output))) - 1
+
+
+def test_set_epoch_while_reading_stops_that_iterator(output: Path, expected: dict[str, Any]) -> None:
+    """The open iterator would go on with epoch 0 while state_dict() speaks of epoch 1: it raises
+    at its next sample; a new iteration reads epoch 1 whole."""
+    dataset = OutputDataset(str(output), shuffle_seed=4)
+    iterator = iter(dataset)
+    for _ in range(3):
+        next(iterator)
+    assert dataset.state_dict()["taken"] == 3
+    dataset.set_epoch(1)
+    state = dataset.state_dict()
+    assert (state["epoch"], state["done"], state["window"], state["taken"]) == (1, [], [], 0)
+    with pytest.raises(RuntimeError, match=r"set_epoch\(1\) was called while epoch 0 was read"):
+        next(iterator)
+    assert sorted(s["sample_id"] for s in dataset) == sorted(expected)
+
+
+def test_a_main_process_state_of_dataloader_workers_is_refused(output: Path) -> None:
+    """A plain DataLoader's workers read copies: the main process's state_dict() would say nothing
+    was read (resuming repeats the epoch), and a state loaded there would reach every worker."""
+    dataset = OutputDataset(str(output), shuffle_seed=2)
+    iterator = iter(DataLoader(dataset, batch_size=None, num_workers=2))
+    next(iterator)
+    with pytest.raises(
+        RuntimeError, match=r"main process while DataLoader workers read .* StatefulDataLoader"
+    ):
+        dataset.state_dict()
+    del iterator
+    single = OutputDataset(str(output), shuffle_seed=2)
+    iterator = iter(single)
+    next(iterator)
+    state = single.state_dict()
+    iterator.close()  # type: ignore[attr-defined]
+    loaded = OutputDataset(str(output), shuffle_seed=2)
+    loaded.load_state_dict(state)
+    with pytest.raises(
+        RuntimeError, match=r"loaded for DataLoader worker 0 of 1 but worker \d of 2 reads it"
+    ):
+        read_all(loaded, workers=2)
 
 
 def test_reader_sample_says_what_the_output_holds(output: Path) -> None:

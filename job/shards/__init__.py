@@ -9,13 +9,22 @@ side imports neither vLLM nor the job's settings.
 """
 
 from job.shards.access import OutputReader
-from job.shards.dataset import OutputChanged, OutputDataset
+from job.shards.dataset import (
+    IncompleteOutputWarning,
+    OutputChanged,
+    OutputDataset,
+    OutputIncomplete,
+    OutputStalled,
+)
 from job.shards.reader import Sample, Shard, iter_output, open_shard, read_manifest
 
 __all__ = [
+    "IncompleteOutputWarning",
     "OutputChanged",
     "OutputDataset",
+    "OutputIncomplete",
     "OutputReader",
+    "OutputStalled",
     "Sample",
     "Shard",
     "iter_output",
