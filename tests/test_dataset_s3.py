@@ -1,7 +1,10 @@
 """``OutputDataset`` on an output the job wrote to S3 (SeaweedFS): ranks and workers read it
-exactly once and equal to a downloaded copy; a follower reads a job SIGKILLed and resumed on S3;
-a damaged or missing object is named; and a store that keeps no checksum (the proxy drops it)
-neither fails uploads nor makes resumed shards look damaged, yet a damaged one is still found."""
+exactly once and equal to a downloaded copy, more ranks than shards too (split by sample); a
+follower reads a job SIGKILLed and resumed on S3; a damaged or missing object is named; an
+incomplete output is refused, and a follower of one that stopped, of one without
+extraction.json or of a prefix no job writes to raises once stall_timeout_s passes; and a store
+that keeps no checksum (the proxy drops it) neither fails uploads nor makes resumed shards look
+damaged, yet a damaged one is still found."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from s3_fixtures import REPO, FaultProxy, JobProcess, job_args, job_env, run_job
 from torch.utils.data import DataLoader  # noqa: E402
 
 from job.errors import EXIT_CONFIG, DamagedShard  # noqa: E402
-from job.shards import OutputDataset, iter_output  # noqa: E402
+from job.shards import OutputDataset, OutputIncomplete, OutputStalled, iter_output  # noqa: E402
 
 pytest_plugins = ["s3_fixtures"]
 pytestmark = pytest.mark.s3
@@ -76,6 +79,23 @@ def test_ranks_and_workers_read_an_s3_output_exactly_once(
             assert torch.equal(sample["input_ids"], want.input_ids)
             assert torch.equal(sample["loss_mask"], want.loss_mask)
             seen.append(sample["sample_id"])
+    assert sorted(seen) == sorted(local) and len(seen) == len(set(seen))
+
+
+def test_more_ranks_than_s3_shards_split_them_by_sample(
+    on_s3: Path, s3_env: dict[str, str], bucket: str
+) -> None:
+    """Two ranks more than the output has shards: every rank reads samples, every sample once."""
+    local = {s.sample_id: s for s in iter_output(on_s3, require_complete=True)}
+    shards = len(json.loads((on_s3 / "index-00000" / "manifest.json").read_text())["shards"])
+    world = shards + 2
+    assert world <= len(local)
+    by_rank = [
+        [s["sample_id"] for s in OutputDataset(f"s3://{bucket}/dataset-src", rank=rank, world_size=world)]
+        for rank in range(world)
+    ]
+    assert all(by_rank), [len(ids) for ids in by_rank]
+    seen = [sid for ids in by_rank for sid in ids]
     assert sorted(seen) == sorted(local) and len(seen) == len(set(seen))
 
 
@@ -143,6 +163,49 @@ def test_damaged_and_missing_objects_are_named(
     s3.delete_object(Bucket=bucket, Key=f"dataset-bad/index-00000/{victim}")
     with pytest.raises(DamagedShard, match=rf"{url}: listed in index-00000/manifest.json but missing"):
         list(OutputDataset(f"s3://{bucket}/dataset-bad"))
+
+
+def test_incomplete_s3_outputs_are_refused_or_time_out(
+    on_s3: Path, s3_env: dict[str, str], s3: Any, bucket: str
+) -> None:
+    """The run's shards under another prefix with its manifest as a killed run leaves it (two
+    shards listed, not complete): refused without follow; a follower reads both shards, then
+    raises after stall_timeout_s, and so it does without extraction.json, and at a prefix no job
+    writes to."""
+    manifest = json.loads((on_s3 / "index-00000" / "manifest.json").read_text())
+    manifest["shards"], manifest["complete"] = manifest["shards"][:2], False
+    for entry in manifest["shards"]:
+        key = f"dataset-src/index-00000/{entry['name']}"
+        s3.copy_object(
+            Bucket=bucket, Key=key.replace("dataset-src", "dataset-stopped"), CopySource=f"{bucket}/{key}"
+        )
+    s3.put_object(
+        Bucket=bucket, Key="dataset-stopped/index-00000/manifest.json", Body=json.dumps(manifest).encode()
+    )
+    s3.put_object(
+        Bucket=bucket, Key="dataset-stopped/extraction.json", Body=(on_s3 / "extraction.json").read_bytes()
+    )
+    uri = f"s3://{bucket}/dataset-stopped"
+    listed = sorted(sid for entry in manifest["shards"] for sid in entry["sample_ids"])
+    with pytest.raises(
+        OutputIncomplete, match=r"is not complete: index-00000 \(2 shards listed, not complete\)"
+    ):
+        next(iter(OutputDataset(uri)))
+
+    def follow(uri: str) -> tuple[list[str], str]:
+        got = []
+        with pytest.raises(OutputStalled) as stalled:
+            for sample in OutputDataset(uri, follow=True, stall_timeout_s=2, poll_interval_s=0.2):
+                got.append(sample["sample_id"])
+        return sorted(got), str(stalled.value)
+
+    got, message = follow(uri)
+    assert got == listed and "still incomplete: index-00000 (2 shards listed, not complete)" in message
+    s3.delete_object(Bucket=bucket, Key="dataset-stopped/extraction.json")
+    got, message = follow(uri)
+    assert got == listed and "still incomplete: extraction.json (missing" in message
+    got, message = follow(f"s3://{bucket}/dataset-never")
+    assert got == [] and f"s3://{bucket}/dataset-never holds no extraction.json and no index-*" in message
 
 
 FOLLOWER = r"""
