@@ -20,7 +20,7 @@ def prefill_sampling_params(seeded: bool = False) -> Any:
 
 
 def generation_sampling_params(item: Any) -> Any:
-    """One turn's sampling (a job.backends.GenerationInput): its stop tokens end it and are part
+    """One turn's sampling (a job.backend_io.GenerationInput): its stop tokens end it and are part
     of its output; no text is produced (token ids only)."""
     from vllm import SamplingParams
 

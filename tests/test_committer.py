@@ -12,7 +12,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from job.backends import HiddenChunk
+from job.backend_io import HiddenChunk
 from job.checksum import crc64nvme_file
 from job.data.encode import EncodedSample
 from job.hidden_dtype import hidden_dtype

@@ -34,7 +34,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from job.backends import Backend, BackendInput, HiddenChunk
+from job.backend_io import Backend, BackendInput, HiddenChunk
 from job.checksum import crc64nvme_bytes, crc64nvme_file
 from job.hidden_dtype import HiddenDtype, hidden_dtype
 from job.pipeline.runner import run_job

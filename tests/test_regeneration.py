@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from conftest import THINKING_TEMPLATE
 
-from job.backends import Completion, GenerationInput
+from job.backend_io import Completion, GenerationInput
 from job.data.encode import EncodedSample, EncoderSpec, GenerationStart, RejectedSample, SampleEncoder
 from job.generate.sampling import resolve_sampling
 from job.generate.stage import Regenerator

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from job.backends import BackendInput, Completion, GenerationInput
+from job.backend_io import BackendInput, Completion, GenerationInput
 from job.data.encode import EncodedSample, EncoderSpec, SampleEncoder
 from job.generate.sampling import resolve_sampling
 from job.generate.stage import Regenerator

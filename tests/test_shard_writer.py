@@ -17,7 +17,7 @@ import pytest
 import torch
 from awscrt.checksums import crc64nvme
 
-from job.backends import HiddenChunk
+from job.backend_io import HiddenChunk
 from job.checksum import crc64nvme_bytes, crc64nvme_file
 from job.data.encode import EncodedSample
 from job.hidden_dtype import hidden_dtype

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from job.backends import Backend, BackendInput, Completion, GenerationInput, HiddenChunk
+from job.backend_io import Backend, BackendInput, Completion, GenerationInput, HiddenChunk
 from job.errors import ConfigError
 from job.hidden_dtype import HiddenDtype, hidden_dtype
 from job.model import ModelInfo

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adapters.requests import generation_sampling_params, prefill_sampling_params
-from job.backends import Backend, BackendInput, Completion, GenerationInput, HiddenChunk
+from job.backend_io import Backend, BackendInput, Completion, GenerationInput, HiddenChunk
 from job.backends.vllm_engine import (
     REQUESTS,
     SCHEDULER_UPDATE,

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from job.backends import HiddenChunk
+from job.backend_io import HiddenChunk
 from job.worker.ring import GENERATION_PREFIX
 
 

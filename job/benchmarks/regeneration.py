@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from job.backends import Completion, GenerationInput
+from job.backend_io import Completion, GenerationInput
 from job.data.encode import EncodedSample, GenerationStart
 from job.worker.ring import GENERATION_PREFIX
 
@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     settings = _settings(args, data, work / "out-job", generating=True)
     configure_logging(settings.log)
     setup = prepare_run(settings)
-    backend = create_backend(setup)
+    backend = create_backend(settings, setup.model, setup.layer_ids, setup.dtype, setup.generates)
     rows: list[dict[str, Any]] = []
     try:
         warm_setup = prepare_run(_settings(args, _head(data, work, 4), work / "out-warm", generating=True))

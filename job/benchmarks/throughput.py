@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from job.backends import Backend, BackendInput, HiddenChunk
+from job.backend_io import Backend, BackendInput, HiddenChunk
 from job.hidden_dtype import hidden_dtype
 from job.plan import LLAMA_3_1_8B
 

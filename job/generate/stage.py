@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from job.backends import Completion, GenerationInput
+from job.backend_io import Completion, GenerationInput
 from job.data.encode import EncodedSample, GenerationStart, RejectedSample, SampleEncoder
 from job.data.formats import SampleRejected
 from job.generate.sampling import Sampling

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from job.backends import HiddenChunk
+from job.backend_io import HiddenChunk
 from job.checksum import ALGORITHM, crc64nvme_file
 from job.data import exact_json
 from job.data.encode import EncodedSample

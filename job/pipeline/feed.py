@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from job.backends import BackendInput, GenerationInput
+from job.backend_io import BackendInput, GenerationInput
 from job.data.encode import EncodedSample, GenerationStart, RejectedSample
 from job.generate.stage import Regenerator
 from job.pipeline.stop import StopFlag

@@ -15,7 +15,8 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from job.backends import Backend, Completion, create_backend
+from job.backend_io import Backend, Completion
+from job.backends import create_backend
 from job.data.source import log_skipped, read_records
 from job.data.stream import EncodedStream
 from job.errors import ConfigError, JobError, Terminated
@@ -238,7 +239,9 @@ class IndexRun:
             return self._given_backend
         setup = self.setup
         with exit_on_stop_signal("engine_startup"):  # vLLM's start-up does not look at the stop flag
-            backend = create_backend(setup)
+            backend = create_backend(
+                setup.settings, setup.model, setup.layer_ids, setup.dtype, setup.generates
+            )
         cleanup.callback(backend.close)
         return backend
 

@@ -50,7 +50,7 @@ import psutil
 import torch
 from awscrt.checksums import combine_crc64nvme, crc64nvme
 
-from job.backends import HiddenChunk
+from job.backend_io import HiddenChunk
 from job.checksum import ALGORITHM, encode
 from job.hidden_dtype import SCALE_BYTES
 from job.manifest import RangeChecksums
