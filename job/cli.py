@@ -208,9 +208,9 @@ def _run_command(command: str, settings: JobSettings) -> int:
                 print(preflight(settings).text())
             return EXIT_OK
         with exit_on_stop_signal("startup"):
-            from job.pipeline.runner import run_job
+            from job.run import run
 
-            totals = run_job(settings)
+            totals = run(settings)
         print(totals["summary"], file=sys.stderr)
         return EXIT_OK
     except JobError as exc:

@@ -17,14 +17,14 @@ concern named; an error that a retry may fix, e.g. a storage outage, keeps its o
 4. a report: what was proven, what was not (the weights; memory at full depth, estimated), and
    how long each part took.
 
-``run`` with the vLLM backend does this first (``preflight.before_run``), in a child process, so
-the reduced engine and its memory are gone before the real one starts.
+``run`` with the vLLM backend does this first (``preflight.before_run``), in a child process
+(``preflight_in_subprocess``; ``job.run`` owns that order), so the reduced engine and its memory
+are gone before the real one starts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import multiprocessing
 import shutil
 import tempfile
@@ -38,10 +38,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from job.data.encode import EncodedSample, GenerationStart, RejectedSample
-from job.data.source import Record, read_records
-from job.data.stream import EncodedStream, owner_index
+from job.data.source import read_records
+from job.data.stream import EncodedStream, first_owned
 from job.errors import EXIT_CONFIG, EXIT_FAILURE, ConfigError, JobError
 from job.logs import configure_logging, get_logger
+from job.pipeline.runner import run_job
 from job.pipeline.setup import RunSetup, prepare_run
 from job.settings import JobSettings
 
@@ -141,12 +142,6 @@ class PreflightReport:
             times += " (" + ", ".join(f"{k} {v:.1f} s" for k, v in self.engine_seconds.items()) + ")"
         lines.append(f"time: {self.seconds.get('total', 0):.1f} s ({times})")
         return "\n".join(lines)
-
-
-def first_owned(records: Iterator[Record], index: int, count: int, limit: int) -> Iterator[Record]:
-    """The first ``limit`` records that work index ``index`` of ``count`` owns."""
-    owned = (r for r in records if count == 1 or owner_index(r.sample_id, count) == index)
-    return itertools.islice(owned, limit)
 
 
 def preflight(settings: JobSettings) -> PreflightReport:
@@ -259,7 +254,6 @@ def _check_data(setup: RunSetup, report: PreflightReport) -> int:
 def _check_engine(setup: RunSetup, report: PreflightReport, log: Any) -> None:
     from job.backends.vllm import VllmBackend
     from job.backends.vllm_engine import EngineSpec
-    from job.pipeline.runner import run_job
 
     settings, model = setup.settings, setup.model
     reduction = reduce_depth(model.config, setup.layer_ids)

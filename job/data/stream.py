@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import queue
 import threading
 from collections import deque
@@ -52,6 +53,12 @@ def owner_index(sample_id: str, count: int) -> int:
     """
     digest = hashlib.blake2b(sample_id.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big") % count
+
+
+def first_owned(records: Iterator[Record], index: int, count: int, limit: int) -> Iterator[Record]:
+    """The first ``limit`` records that work index ``index`` of ``count`` owns."""
+    owned = (r for r in records if count == 1 or owner_index(r.sample_id, count) == index)
+    return itertools.islice(owned, limit)
 
 
 def _init_worker(spec: EncoderSpec) -> None:

@@ -1,4 +1,4 @@
-"""``python -m job run``: one work index, in five phases.
+"""One work index, in five phases (``python -m job run`` runs it after the preflight: ``job.run``).
 
 resume (what the manifest holds) -> wire (tokenizer stream, backend, feed, committer,
 shard writer) -> extract (backend chunks written into their shards) -> commit (every finished
@@ -18,7 +18,7 @@ from typing import Any
 from job.backend_io import Backend, Completion
 from job.backends import create_backend
 from job.data.source import log_skipped, read_records
-from job.data.stream import EncodedStream
+from job.data.stream import EncodedStream, first_owned
 from job.errors import ConfigError, JobError, Terminated
 from job.generate.stage import Regenerator
 from job.layout import REJECTED, log_name
@@ -44,18 +44,20 @@ def run_job(
     sample_limit: int | None = None,
     check_weights: bool = True,
 ) -> dict[str, Any]:
-    """Run one work index. A caller-provided ``backend`` (benchmarks reuse one engine across
-    runs; the preflight brings its reduced one) is used as is and left open. ``sample_limit``:
-    only the index's first so many samples (the preflight's). ``check_weights`` False: the model's
-    weight files are neither checked nor fingerprinted (the preflight's engine loads none)."""
+    """Prepare and run one work index (``run_index``). ``check_weights`` False: the model's weight
+    files are neither checked nor fingerprinted (the preflight's engine loads none)."""
+    return run_index(prepare_run(settings, check_weights), backend, sample_limit)
+
+
+def run_index(
+    setup: RunSetup, backend: Backend | None = None, sample_limit: int | None = None
+) -> dict[str, Any]:
+    """Run one work index as ``setup`` describes it. A caller-provided ``backend`` (benchmarks
+    reuse one engine across runs; the preflight brings its reduced one) is used as is and left
+    open. ``sample_limit``: only the index's first so many samples (the preflight's)."""
+    settings = setup.settings
     run_id = new_run_id()
     log = get_logger(run_id=run_id, work_index=settings.work.index)
-    setup = prepare_run(settings, check_weights)
-    if backend is None and settings.backend.name == "vllm" and settings.preflight.before_run:
-        # Before the output is opened: a failing preflight leaves it untouched.
-        from job.preflight import preflight_in_subprocess
-
-        preflight_in_subprocess(settings)
     # Graceful from here on: opening the store may already write to the output (a lock).
     with StopFlag() as stop, open_index_store(settings.output, settings.work.index) as store:
         resumed = resume(setup, store, log)
@@ -221,8 +223,6 @@ class IndexRun:
         _ = transformers.AutoTokenizer, transformers.AutoModelForCausalLM
         records = read_records(self.setup.files, int(settings.data.max_record_bytes))
         if self.sample_limit is not None:
-            from job.preflight import first_owned
-
             records = first_owned(records, settings.work.index, settings.work.count, self.sample_limit)
         return EncodedStream(
             records,
