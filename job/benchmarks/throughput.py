@@ -1,5 +1,5 @@
-"""``python -m job bench``: extraction throughput next to plain vLLM prefill,
-on the same GPU, the same prompts, in one run.
+"""``python -m job.benchmarks.throughput`` (alias ``python -m job bench``): extraction throughput
+next to plain vLLM prefill, on the same GPU, the same prompts, in one run.
 
 Configurations (each group in its own process, so GPU memory and peak host
 memory are its own):
@@ -184,7 +184,9 @@ GENERATION_CONFIGS = (
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m job bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m job.benchmarks.throughput", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS))
     ap.add_argument("--groups", default="plain,job,native,hf", help=f"comma list of {sorted(WORKERS)}")
     ap.add_argument("--num-prompts", type=int, default=500)
@@ -331,7 +333,7 @@ def _orchestrate(args: argparse.Namespace, argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / f"bench-{args.model}-{run_id}.log"
     for group in [g for g in args.groups.split(",") if g]:
-        cmd = [sys.executable, "-m", "job", "bench", *argv, "--worker", group]
+        cmd = [sys.executable, "-m", "job.benchmarks.throughput", *argv, "--worker", group]
         started = time.monotonic()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -502,7 +504,7 @@ def _report(
     lines = [
         f"### {args.model}, run {run_id}",
         "",
-        f"`python -m job bench {' '.join(argv)}`  ",
+        f"`python -m job.benchmarks.throughput {' '.join(argv)}`  ",
         f"GPU {rows[0]['gpu'] if rows else '?'}, vLLM {rows[0]['vllm'] if rows else '?'}, "
         f"disk write (dd, oflag=direct): {disk}",
         "",
@@ -1480,3 +1482,7 @@ WORKERS = {
     "regenerate": _worker_regenerate,
     "regenerate_plain": _worker_regenerate_plain,
 }
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
