@@ -23,8 +23,8 @@
 #      and checks that the interrupted index ends complete with every sample exactly once.
 #
 # podman builds (chroot isolation) and runs the containers (runc: crun refuses hybrid cgroups here).
-# Disk: the stand-in is 11.1 GB and its build needs about 42 GiB free; see README ("The image,
-# built and run").
+# Disk: the stand-in is 11.1 GB and its build needs about 42 GiB free; see docs/container.md ("The
+# image, built and run").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD

@@ -106,7 +106,7 @@ class DataSettings(Section):
     max_record_bytes: ByteSize = Field(
         ByteSize(64 * 1024**2),
         description="Longest JSONL record read; longer ones are rejected unread (a record's memory "
-        "peak grows with its size, see README)",
+        "peak grows with its size, see docs/data.md)",
     )
     reasoning_in_loss: bool = Field(
         True,

@@ -3,7 +3,7 @@
 Linters and schemas first (hadolint, yamllint, kubernetes-validate --strict),
 then semantics the schemas cannot see: the manifests against the job's own
 settings model, exit codes and the environment variables its code reads.
-.ci/image-check.sh builds the image and runs it (not part of .ci/run: see README).
+.ci/image-check.sh builds the image and runs it (not part of .ci/run: see docs/container.md).
 """
 
 from __future__ import annotations
