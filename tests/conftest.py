@@ -59,6 +59,7 @@ job/benchmarks/throughput.py      test_bench (write groups without vLLM, the job
 .ci/profile_gaps.py                test_profile_gaps
 Dockerfile, k8s/                   test_container, test_sigterm
 imports in job/, adapters/         test_import_graph (no circle; job/cli.py reaches no benchmark)
+README.md                          test_readme (its commands run as written)
 =================================  ===================================================================
 """
 
