@@ -69,25 +69,16 @@ def weight_files(directory: Path) -> list[Path]:
 
 def check_weights(directory: Path) -> list[WeightFile]:
     """Every weight file of ``directory``, each with its fingerprint digest; ConfigError (exit 2,
-    naming model.path) when there are none or some of those the loaders would read cannot load.
-
-    The loaders read safetensors where there are any, else the pickles; where that format has an
-    index, only the shards it lists (a repository may ship both formats' indexes, and a download
-    of one format leaves the other's index behind)."""
+    naming model.path) when there are none or some of those the loaders would read cannot load
+    (``_loaded_files``)."""
     paths = weight_files(directory)
-    safetensors = [p for p in paths if p.name.endswith(SAFETENSORS)]
-    pickles = [p for p in paths if p.name.endswith(PICKLE_SUFFIXES)]
-    if not safetensors and not pickles:
+    if not any(p.name.endswith((SAFETENSORS, *PICKLE_SUFFIXES)) for p in paths):
         raise ConfigError(
             f"model.path {directory} holds no weights (no *.safetensors, *.bin, *.pt or *.pth files beside "
             "config.json): point model.path at a complete model directory, or download the weights into it"
         )
-    loaded_suffixes = (SAFETENSORS,) if safetensors else PICKLE_SUFFIXES
-    indexes = [p for p in paths if p.name.endswith(tuple(s + INDEX_SUFFIX for s in loaded_suffixes))]
-    listed, problems = _listed_shards(directory, indexes)
-    loaded = {p.name for p in (safetensors or pickles) if not indexes or p.name in listed} | {
-        p.name for p in indexes
-    }
+    files, indexes, problems = _loaded_files(directory, paths)
+    loaded = {p.name for p in files} | {p.name for p in indexes}
     found = []
     for path in paths:
         try:
@@ -106,6 +97,21 @@ def check_weights(directory: Path) -> list[WeightFile]:
             f"{'; '.join(problems[:_SHOWN])}{more}; {_REDOWNLOAD}"
         )
     return found
+
+
+def _loaded_files(directory: Path, paths: list[Path]) -> tuple[list[Path], list[Path], list[str]]:
+    """Of a directory's weight files (``paths``), those the loaders read and the indexes that list
+    them, with a problem for each index that is unreadable or lists a shard the directory lacks.
+
+    The loaders read safetensors where there are any, else the pickles; where that format has an
+    index, only the shards it lists (a repository may ship both formats' indexes, and a download
+    of one format leaves the other's index behind)."""
+    safetensors = [p for p in paths if p.name.endswith(SAFETENSORS)]
+    loaded_suffixes = (SAFETENSORS,) if safetensors else PICKLE_SUFFIXES
+    indexes = [p for p in paths if p.name.endswith(tuple(s + INDEX_SUFFIX for s in loaded_suffixes))]
+    listed, problems = _listed_shards(directory, indexes)
+    weights = safetensors or [p for p in paths if p.name.endswith(PICKLE_SUFFIXES)]
+    return [p for p in weights if not indexes or p.name in listed], indexes, problems
 
 
 def weights_load_problem(exc: BaseException) -> str | None:
@@ -151,6 +157,33 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     read when check_weights passed the file."""
     with path.open("rb") as f:
         return json.loads(_read_header(f, path.stat().st_size))
+
+
+def checkpoint_tensors(directory: Path) -> dict[str, tuple[str, tuple[int, ...]]] | str:
+    """Every tensor of the weight files the loaders read (as check_weights finds them, which
+    passed), by name, with its file's name and its shape; or why they cannot be listed without
+    reading the weights (a pickle of before torch 1.6, or of something else than tensors)."""
+    files, _, _ = _loaded_files(directory, weight_files(directory))
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for path in files:
+        if path.name.endswith(SAFETENSORS):
+            header = safetensors_header(path)
+            found.update(
+                (name, (path.name, tuple(int(n) for n in info["shape"])))
+                for name, info in header.items()
+                if name != "__metadata__"
+            )
+            continue
+        import torch
+
+        try:  # a torch zip, memory-mapped: its storages are not read
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as exc:
+            return f"{path.name} cannot be listed without reading it ({type(exc).__name__}: {str(exc)[:200]})"
+        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+            return f"{path.name} holds no plain state dict of tensors"
+        found.update((name, (path.name, tuple(tensor.shape))) for name, tensor in state.items())
+    return found
 
 
 def _read_header(f: BinaryIO, size: int) -> bytes:

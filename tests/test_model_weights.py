@@ -2,11 +2,23 @@
 
 Real files throughout: copies of builtin:tiny-llama (safetensors), split into an indexed
 two-shard checkpoint, saved as torch.save pickles, truncated, with a damaged header, with
-other tensor values or other shapes. A model directory without weights, or with weights that
-cannot load, ends the run with exit 2 and an ``error:`` line naming model.path, before any model
-load, for the hf and the vLLM backend; so do tensors of other shapes than config.json gives them
-(job.weight_shapes: the architecture built on the meta device), naming the tensor and both shapes.
-Resume with other weights is tests/test_resume.py.
+other tensor values or other shapes, other names (a PEFT save's prefix, a tensor renamed, missing
+or extra), a config.json with more or fewer layers than the weights; tiny-deepseek-v3 with its
+multi-token-prediction layer, and compressed to INT4 by compressed-tensors as the Kimi-class proxy
+is. A model directory without weights, or with weights that cannot load, ends the run with exit 2
+and an ``error:`` line naming model.path, before any model load, for the hf and the vLLM backend;
+so do tensors whose names do not fit the architecture built on the meta device from config.json
+(job.weight_names), and tensors of other shapes (job.weight_shapes), naming the tensors and what
+was expected. Resume with other weights is tests/test_resume.py.
+
+Without the name check (main at 233464d, vLLM 0.16 CPU build, the six directories of MISFITS,
+``python -m job run --backend.name=vllm --preflight.before_run=false``), vLLM stopped each run in
+its worker after the engine's start-up, exit 1 "WorkerProc initialization failed" (44-103 s here):
+a PEFT save "There is no module or parameter named 'base_model' in LlamaForCausalLM"; a tensor
+renamed, an extra one and 6 layers over 8 a KeyError naming the first name it did not know (6 over
+8: 'layers.6.input_layernorm.weight'); a tensor missing and 10 layers over 8 "Following weights
+were not initialized from checkpoint". The HF backend loads each of them with a warning only
+(test_transformers_would_fill_or_drop_what_the_check_names).
 """
 
 from __future__ import annotations
@@ -23,12 +35,14 @@ import torch
 from conftest import VLLM_CPU_ENV, needs_vllm
 from safetensors.torch import load_file, save_file
 
+from job.architecture import build_architecture
 from job.errors import ConfigError
 from job.model import resolve_model
 from job.pipeline.setup import check_model_weights
 from job.settings import load_settings
+from job.weight_names import check_tensor_names
 from job.weight_shapes import ShapeCheck, check_tensor_shapes
-from job.weights import check_weights, weights_fingerprint
+from job.weights import check_weights, checkpoint_tensors, weights_fingerprint
 
 WEIGHTS = "model.safetensors"
 
@@ -218,15 +232,29 @@ def config_of(model: Path) -> dict[str, Any]:
     return json.loads((model / "config.json").read_text())
 
 
+def shapes_of(model: Path, config: dict[str, Any] | None = None) -> ShapeCheck:
+    """check_tensor_shapes as run makes it, against ``config`` (config.json's by default)."""
+    tensors = checkpoint_tensors(model)
+    assert not isinstance(tensors, str), tensors
+    return check_tensor_shapes(model, config or config_of(model), build_architecture(model, False), tensors)
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v3", "tiny-qwen3"])
-def test_the_builtin_models_shapes_fit_their_configs_tensor_for_tensor(
+def test_the_builtin_models_names_and_shapes_fit_their_configs_tensor_for_tensor(
     builtin_model: Callable[[str], Path], name: str
 ) -> None:
-    """Every tensor under transformers 4.57; transformers 5 fuses MoE experts (other names: not
-    compared), and compares the rest."""
+    """Every tensor by name under transformers 4.57; transformers 5 fuses MoE experts, so
+    tiny-deepseek-v3's per-expert tensors fit by module there (other names: their shapes are not
+    compared), the rest by name."""
     model = builtin_model(name)
-    check = check_tensor_shapes(model, config_of(model))
-    assert check.skipped is None and check.compared > 50, check
+    tensors = checkpoint_tensors(model)
+    assert not isinstance(tensors, str), tensors
+    architecture = build_architecture(model, False)
+    names = check_tensor_names(model, config_of(model), architecture, tensors)
+    assert names.skipped is None and names.by_name + names.by_module == names.tensors == len(tensors), names
+    assert names.layers == 8
+    shapes = check_tensor_shapes(model, config_of(model), architecture, tensors)
+    assert shapes.skipped is None and shapes.compared == names.by_name > 50, shapes
 
 
 def test_other_shapes_are_named_with_both_shapes_and_an_indexed_checkpoint_too(
@@ -235,7 +263,7 @@ def test_other_shapes_are_named_with_both_shapes_and_an_indexed_checkpoint_too(
     model = copy_model(tiny_llama_dir, tmp_path / "model")
     want, got = with_a_row_less(model)
     with pytest.raises(ConfigError) as caught:
-        check_tensor_shapes(model, config_of(model))
+        shapes_of(model)
     assert str(caught.value) == (
         f"model.path {model}: 1 of 75 weight tensors do not fit its config.json (LlamaForCausalLM): "
         f"{OTHER_SHAPE} in model.safetensors has shape {got}, config.json makes it {want}; the weights "
@@ -244,7 +272,7 @@ def test_other_shapes_are_named_with_both_shapes_and_an_indexed_checkpoint_too(
     )
     shards = split_in_two(model)
     with pytest.raises(ConfigError, match=re.escape(f"{OTHER_SHAPE} in {shards[0]} has shape {got}")):
-        check_tensor_shapes(model, config_of(model))
+        shapes_of(model)
 
 
 def test_what_cannot_be_compared_is_skipped_with_the_reason(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -254,18 +282,17 @@ def test_what_cannot_be_compared_is_skipped_with_the_reason(tiny_llama_dir: Path
     with_a_row_less(model)
     config = config_of(model)
     quantized = {**config, "quantization_config": {"quant_method": "compressed-tensors"}}
-    assert check_tensor_shapes(model, quantized) == ShapeCheck(
-        skipped="a quantized checkpoint (quantization_config)"
-    )
-    # A tensor only the checkpoint has (renamed, fused): not compared; the others are.
+    assert shapes_of(model, quantized) == ShapeCheck(skipped="a quantized checkpoint (quantization_config)")
+    # A tensor only the checkpoint has (per expert where the architecture fuses them): not
+    # compared; the others are. (The name check refuses this one: another test.)
     tensors = load_file(model / WEIGHTS)
     tensors["model.layers.0.mlp.gate_up_proj.weight"] = tensors.pop(OTHER_SHAPE)
     save_file(tensors, model / WEIGHTS, metadata={"format": "pt"})
-    assert check_tensor_shapes(model, config) == ShapeCheck(compared=74, tensors=75)
+    assert shapes_of(model) == ShapeCheck(compared=74, tensors=75)
     # An architecture transformers does not know (remote code).
     unknown = copy_model(tiny_llama_dir, tmp_path / "unknown")
     (unknown / "config.json").write_text(json.dumps({**config, "model_type": "not-in-transformers"}))
-    check = check_tensor_shapes(unknown, config_of(unknown))
+    check = shapes_of(unknown)
     assert check.compared == 0 and (check.skipped or "").startswith(
         "transformers cannot build the architecture"
     )
@@ -345,3 +372,293 @@ def test_vllm_with_truncated_weights_exits_2_before_the_engine_starts(
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith(f"error: model.path {model}: 1 weight file(s) cannot load: model.safetensors")
     assert not [e for e in result.events if e["event"] in ("adapter_selected", "run_started")]
+
+
+# --- tensor names against config.json ----------------------------------------------------------------
+
+RENAMED = "model.layers.3.mlp.down_proj.weight"
+DROPPED = "model.layers.3.post_attention_layernorm.weight"
+EXTRA = "model.layers.3.mlp.extra_proj.weight"
+REMEDY = (
+    "point model.path at the model these weights belong to (saved with save_pretrained), or copy or "
+    "download its weights again"
+)
+
+
+def with_tensors(model: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+    save_file(edit(load_file(model / WEIGHTS)), model / WEIGHTS, metadata={"format": "pt"})
+
+
+def with_config(model: Path, **changes: Any) -> None:
+    (model / "config.json").write_text(json.dumps({**config_of(model), **changes}))
+
+
+def renamed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    tensors["model.layers.3.mlp.down.weight"] = tensors.pop(RENAMED)
+    return tensors
+
+
+def extra(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    tensors[EXTRA] = tensors[RENAMED].clone()
+    return tensors
+
+
+# How each directory is made from builtin:tiny-llama (8 decoder layers, 75 tensors), and the error
+# after "model.path DIR: ".
+MISFITS: dict[str, tuple[Callable[[Path], None], str]] = {
+    "a PEFT save": (
+        lambda m: with_tensors(m, lambda t: {f"base_model.model.{name}": v for name, v in t.items()}),
+        "the weights' tensor names do not fit its config.json (LlamaForCausalLM): 0 of its 75 tensor names "
+        "are names the model has; 75 would be, without the prefix 'base_model.model.' at their start (a PEFT "
+        "save: merge the adapter into the model, merge_and_unload(), and save that); " + REMEDY,
+    ),
+    "a tensor renamed": (
+        lambda m: with_tensors(m, renamed),
+        "the weights' tensor names do not fit its config.json (LlamaForCausalLM): 74 of its 75 tensor names "
+        f"are names the model has; 1 tensor(s) the model has are not in the weights ({RENAMED}); 1 tensor(s) "
+        "in the weights are not the model's (model.layers.3.mlp.down.weight in model.safetensors); " + REMEDY,
+    ),
+    "a tensor missing": (
+        lambda m: with_tensors(m, lambda t: {name: v for name, v in t.items() if name != DROPPED}),
+        "the weights' tensor names do not fit its config.json (LlamaForCausalLM): 74 of its 74 tensor names "
+        f"are names the model has; 1 tensor(s) the model has are not in the weights ({DROPPED}); " + REMEDY,
+    ),
+    "an extra tensor": (
+        lambda m: with_tensors(m, extra),
+        "the weights' tensor names do not fit its config.json (LlamaForCausalLM): 75 of its 76 tensor names "
+        f"are names the model has; 1 tensor(s) in the weights are not the model's ({EXTRA} in "
+        "model.safetensors); " + REMEDY,
+    ),
+    "10 layers in config.json, 8 in the weights": (
+        lambda m: with_config(m, num_hidden_layers=10),
+        "config.json's num_hidden_layers is 10, but the weights hold 8 decoder layers (model.layers.0 to "
+        "model.layers.7): the model would end in 2 decoder layer(s) of random weights; if these weights are "
+        "the whole model, set num_hidden_layers to 8 in config.json, else " + REMEDY,
+    ),
+    "6 layers in config.json, 8 in the weights": (
+        lambda m: with_config(m, num_hidden_layers=6),
+        "config.json's num_hidden_layers is 6, but the weights hold 8 decoder layers (model.layers.0 to "
+        "model.layers.7): layers 6 to 7 would be left out, so layer ids would name other layers; if these "
+        "weights are the whole model, set num_hidden_layers to 8 in config.json, else " + REMEDY,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def misfit(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The model directory of MISFITS[case], made once."""
+    made: dict[str, Path] = {}
+
+    def make(case: str) -> Path:
+        if case not in made:
+            model = copy_model(tiny_llama_dir, tmp_path_factory.mktemp("misfit") / "model")
+            MISFITS[case][0](model)
+            made[case] = model
+        return made[case]
+
+    return make
+
+
+@pytest.mark.parametrize("case", list(MISFITS))
+@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=needs_vllm)])
+def test_weights_that_do_not_fit_the_architecture_exit_2_before_anything_is_written(
+    run_job: Callable[..., Any],
+    misfit: Callable[[str], Path],
+    tmp_path: Path,
+    data: Path,
+    fast_args: tuple[str, ...],
+    case: str,
+    backend: str,
+) -> None:
+    """Without the check, transformers loads each of them into a partly or wholly random model
+    and the run exits 0 (the next test shows what its load report says); vLLM 0.16 and 0.26 stop
+    in the worker after the engine's start-up (exit 1, "a rerun resumes", see README), or load
+    the layers config.json names and leave the rest out (6 layers over 8)."""
+    model = misfit(case)
+    result = run_job(
+        "run",
+        f"--backend.name={backend}",
+        f"--model.path={model}",
+        f"--data.path={data}",
+        f"--output.uri={tmp_path / 'out'}",
+        "--log.format=json",
+        *fast_args,
+        env=VLLM_CPU_ENV,
+    )
+    assert result.rc == 2, result.describe()
+    assert result.stderr.strip().splitlines() == [f"error: model.path {model}: {MISFITS[case][1]}"]
+    assert not [e for e in result.events if e["event"] in ("adapter_selected", "run_started")]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", list(MISFITS))
+def test_transformers_would_fill_or_drop_what_the_check_names(
+    misfit: Callable[[str], Path], case: str
+) -> None:
+    """transformers' own load report for each directory the check refuses: the tensors it fills
+    at random (missing) or leaves unused (unexpected), with a warning only."""
+    from transformers import AutoModelForCausalLM
+
+    _, report = AutoModelForCausalLM.from_pretrained(misfit(case), output_loading_info=True)
+    # (missing, unexpected): how many, the decoder layers they belong to, or their names
+    expected: dict[str, tuple[Any, Any]] = {
+        "a PEFT save": (75, 75),  # every tensor random, every stored one unused
+        "a tensor renamed": ([RENAMED], ["model.layers.3.mlp.down.weight"]),
+        "a tensor missing": ([DROPPED], []),
+        "an extra tensor": ([], [EXTRA]),
+        "10 layers in config.json, 8 in the weights": ({8, 9}, []),  # two layers random
+        "6 layers in config.json, 8 in the weights": ([], {6, 7}),  # two layers unused
+    }
+
+    def stated(keys: list[str], like: Any) -> Any:
+        if isinstance(like, int):
+            return len(keys)
+        if isinstance(like, set):
+            return {int(re.findall(r"^model\.layers\.(\d+)\.", key)[0]) for key in keys}
+        return sorted(keys)
+
+    missing, unexpected = expected[case]
+    assert stated(report["missing_keys"], missing) == missing, report
+    assert stated(report["unexpected_keys"], unexpected) == unexpected, report
+
+
+def checked(model: Path) -> tuple[Any, Any]:
+    """check_model_weights' name and shape checks for ``model`` (the hf backend's settings)."""
+    settings = load_settings(cli_args=[f"--model.path={model}"])
+    weights = check_model_weights(settings, resolve_model(settings.model))
+    return weights.names, weights.shapes
+
+
+def test_what_loads_as_it_should_is_not_refused(
+    tiny_llama_dir: Path, tmp_path: Path, inprocess_env: None
+) -> None:
+    """A tied head saved once (tie_word_embeddings), per-layer rotary caches of older checkpoints
+    (transformers recomputes them, vLLM skips them by name)."""
+    tied = copy_model(tiny_llama_dir, tmp_path / "tied")
+    with_tensors(tied, lambda t: {name: v for name, v in t.items() if name != "lm_head.weight"})
+    with_config(tied, tie_word_embeddings=True)
+    names, shapes = checked(tied)
+    assert (names.tensors, names.by_name, names.layers, shapes.compared) == (74, 74, 8, 74), (names, shapes)
+    # The same checkpoint with an untied head: lm_head.weight would be random.
+    with_config(tied, tie_word_embeddings=False)
+    with pytest.raises(ConfigError, match=re.escape("the model has are not in the weights (lm_head.weight)")):
+        checked(tied)
+
+    rotary = copy_model(tiny_llama_dir, tmp_path / "rotary")
+    caches = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(32) for i in range(8)}
+    with_tensors(rotary, lambda t: {**t, **caches})
+    names, _ = checked(rotary)
+    assert (names.tensors, names.by_name, names.by_module) == (83, 75, 0), names
+
+
+def test_a_deepseek_checkpoint_with_its_multi_token_prediction_layer_is_not_refused(
+    builtin_model: Callable[[str], Path], tmp_path: Path, inprocess_env: None
+) -> None:
+    """DeepSeek-V3 ships its multi-token-prediction layer as the layer after the last
+    (num_nextn_predict_layers: 1): neither loader uses it. One layer more than that is refused."""
+    model = copy_model(builtin_model("tiny-deepseek-v3"), tmp_path / "mtp")
+    with_config(model, num_nextn_predict_layers=1)
+
+    def with_layer_8(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        last = {k: v for k, v in tensors.items() if k.startswith("model.layers.7.")}
+        return {**tensors, **{k.replace(".layers.7.", ".layers.8."): v.clone() for k, v in last.items()}}
+
+    with_tensors(model, with_layer_8)
+    names, _ = checked(model)
+    assert names.layers == 8 and names.skipped is None, names
+    with_config(model, num_nextn_predict_layers=0)
+    with pytest.raises(
+        ConfigError, match=re.escape("config.json's num_hidden_layers is 8, but the weights hold 9")
+    ):
+        checked(model)
+
+
+def int4_experts(model: Path) -> dict[str, Any]:
+    """tiny-deepseek-v3 compressed as the benchmarks' Kimi-class proxy is: its quantization_config
+    (routed experts W4A16, compressed-tensors pack-quantized, groups of 32; the rest bf16), by
+    compressed-tensors itself. The quantization config written to config.json."""
+    import copy
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    from job.benchmarks.throughput import KIMI_K2_PROXY
+
+    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    config = QuantizationConfig.model_validate(copy.deepcopy(KIMI_K2_PROXY["quantization_config"]))
+    config.quantization_status = QuantizationStatus.INITIALIZED
+    apply_quantization_config(loaded, config)
+    for module in loaded.modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is not None:  # each group's scale from its own range, as a min-max observer sets it
+            groups = module.weight.data.float().unflatten(-1, (-1, scheme.weights.group_size))
+            scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+            module.weight_scale.data.copy_(scale)
+    compressor = ModelCompressor.from_pretrained_model(loaded, quantization_format="pack-quantized")
+    save_file(compressor.compress(loaded), model / WEIGHTS, metadata={"format": "pt"})
+    quantization = compressor.quantization_config.model_dump(exclude_none=True)
+    with_config(model, quantization_config=quantization)
+    return quantization
+
+
+def test_an_int4_checkpoint_is_checked_module_by_module(
+    builtin_model: Callable[[str], Path], tmp_path: Path, inprocess_env: None
+) -> None:
+    """Packed and scaled tensors (weight_packed, weight_scale, weight_shape) stand for their
+    module's weight; a module with none of its tensors is refused all the same."""
+    model = copy_model(builtin_model("tiny-deepseek-v3"), tmp_path / "int4")
+    int4_experts(model)
+    tensors = load_file(model / WEIGHTS)
+    packed = [name for name in tensors if name.endswith(".weight_packed")]
+    assert len(packed) == 7 * 8 * 3  # 7 MoE layers of 8 experts, gate, up and down each
+    names, shapes = checked(model)
+    assert names.skipped is None and names.layers == 8, names
+    assert names.by_module == 3 * len(packed) and names.by_name + names.by_module == len(tensors), names
+    assert shapes.skipped == "a quantized checkpoint (quantization_config)"
+    expert = "model.layers.4.mlp.experts.5.down_proj"
+    save_file({k: v for k, v in tensors.items() if not k.startswith(expert + ".")}, model / WEIGHTS)
+    with pytest.raises(ConfigError, match=re.escape(f"are not in the weights ({expert}.weight)")):
+        checked(model)
+
+
+def test_pickled_weights_are_checked_by_the_names_inside(
+    run_job: Callable[..., Any], tiny_llama_dir: Path, tmp_path: Path, data: Path, fast_args: tuple[str, ...]
+) -> None:
+    """torch.save's zip holds the names in its pickle, read memory-mapped (no tensor data read)."""
+    model = copy_model(tiny_llama_dir, tmp_path / "pickled")
+    tensors = load_file(model / WEIGHTS)
+    (model / WEIGHTS).unlink()
+    torch.save({f"base_model.model.{name}": v for name, v in tensors.items()}, model / "pytorch_model.bin")
+    args = (f"--model.path={model}", f"--data.path={data}", f"--output.uri={tmp_path / 'out'}", *fast_args)
+    result = run_job("run", *args)
+    assert result.rc == 2, result.describe()
+    assert "75 would be, without the prefix 'base_model.model.' at their start" in result.stderr
+    assert "in pytorch_model.bin" not in result.stderr and not (tmp_path / "out").exists()
+    torch.save(tensors, model / "pytorch_model.bin")
+    result = run_job("run", *args, "--log.format=json")
+    assert result.rc == 0, result.describe()
+    started = result.event("run_started")
+    assert started["weight_names"]["by_name"] == started["weight_shapes"]["compared"] == 75, started
+
+
+def test_an_architecture_transformers_cannot_build_still_has_its_layers_counted(
+    tiny_llama_dir: Path, tmp_path: Path, inprocess_env: None
+) -> None:
+    """Names need the architecture; the decoder layers the weights hold need only config.json."""
+    model = copy_model(tiny_llama_dir, tmp_path / "unknown")
+    with_config(model, model_type="not-in-transformers")
+    names, _ = checked(model)
+    assert names.layers == 8 and (names.skipped or "").startswith(
+        "transformers cannot build the architecture"
+    )
+    with_config(model, num_hidden_layers=10)
+    with pytest.raises(
+        ConfigError, match=re.escape("config.json's num_hidden_layers is 10, but the weights hold 8")
+    ):
+        checked(model)

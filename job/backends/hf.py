@@ -12,19 +12,12 @@ from typing import Any
 
 import torch
 
+from job.architecture import decoder_layers
 from job.backend_io import Backend, BackendInput, Completion, GenerationInput, HiddenChunk
 from job.errors import ConfigError
 from job.hidden_dtype import HiddenDtype, hidden_dtype
 from job.model import ModelInfo
 from job.weights import weights_load_problem
-
-
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise TypeError(f"{type(model).__name__}: cannot find the decoder layer list")
-    return layers
 
 
 class HFBackend(Backend):

@@ -150,7 +150,8 @@ class IndexRun:
             resumed_shards=len(manifest.shards),
             resumed_samples=self.resumed.written_before,
             output=self.store.location,
-            weight_shapes=None if self.setup.weight_shapes is None else asdict(self.setup.weight_shapes),
+            weight_names=None if self.setup.weights.names is None else asdict(self.setup.weights.names),
+            weight_shapes=None if self.setup.weights.shapes is None else asdict(self.setup.weights.shapes),
         )
         if self.setup.skipped:
             log_skipped(self.setup.skipped)

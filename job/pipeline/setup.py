@@ -9,6 +9,7 @@ import secrets
 import time
 from dataclasses import dataclass, replace
 
+from job.architecture import build_architecture
 from job.data.encode import EncoderSpec, SampleEncoder, read_chat_template
 from job.data.source import InputFile, SkippedInput, data_fingerprint, scan_input
 from job.errors import ConfigError
@@ -18,8 +19,9 @@ from job.hidden_dtype import HiddenDtype, stored_dtype
 from job.manifest import Identity
 from job.model import LAYER_CONVENTION, ModelInfo, resolve_model
 from job.settings import JobSettings
+from job.weight_names import NameCheck, check_tensor_names
 from job.weight_shapes import ShapeCheck, check_tensor_shapes
-from job.weights import check_weights, weights_fingerprint
+from job.weights import check_weights, checkpoint_tensors, weights_fingerprint
 
 # Everything that decides input_ids and loss masks. Current transformers saves a model's
 # chat template to chat_template.jinja (or .json), not inside tokenizer_config.json.
@@ -55,18 +57,19 @@ def tokenizer_fingerprint(model: ModelInfo, chat_template: str | None) -> str:
 
 @dataclass(frozen=True)
 class CheckedWeights:
-    """The weights' fingerprint (in the resume identity) and what their shape check found (None:
-    not checked; run_started logs it)."""
+    """The weights' fingerprint (in the resume identity) and what their name and shape checks found
+    (None: not checked; run_started logs them)."""
 
     fingerprint: str
+    names: NameCheck | None = None
     shapes: ShapeCheck | None = None
 
 
 def check_model_weights(settings: JobSettings, model: ModelInfo) -> CheckedWeights:
-    """The weights' fingerprint, after checking that they can load and that their tensors' shapes
-    fit config.json (ConfigError, exit 2, if not). vLLM's dummy weights (backend.vllm.engine_args
-    load_format, benchmarks) read no file; other load formats than the file ones are fingerprinted
-    from what the directory holds, unchecked."""
+    """The weights' fingerprint, after checking that they can load and that their tensors' names
+    and shapes fit config.json (ConfigError, exit 2, if not). vLLM's dummy weights
+    (backend.vllm.engine_args load_format, benchmarks) read no file; other load formats than the
+    file ones are fingerprinted from what the directory holds, unchecked."""
     vllm = settings.backend.name == "vllm"
     engine_args = settings.backend.vllm.engine_args if vllm else {}
     load_format = engine_args.get("load_format")
@@ -78,15 +81,22 @@ def check_model_weights(settings: JobSettings, model: ModelInfo) -> CheckedWeigh
         if load_format in _FILE_LOAD_FORMATS:
             raise
         return CheckedWeights(f"unchecked (load_format {load_format})")
-    shapes = None
-    if load_format in _FILE_LOAD_FORMATS:
-        started = time.monotonic()
-        if engine_args.get("hf_overrides"):  # vLLM builds the model from another config than config.json
-            shapes = ShapeCheck(skipped="config.json overridden (backend.vllm.engine_args hf_overrides)")
-        else:
-            shapes = check_tensor_shapes(model.path, model.config)
-        shapes = replace(shapes, seconds=round(time.monotonic() - started, 2))
-    return CheckedWeights(weights_fingerprint(files), shapes)
+    fingerprint = weights_fingerprint(files)
+    if load_format not in _FILE_LOAD_FORMATS:
+        return CheckedWeights(fingerprint)
+    if engine_args.get("hf_overrides"):  # vLLM builds the model from another config than config.json
+        why = "config.json overridden (backend.vllm.engine_args hf_overrides)"
+        return CheckedWeights(fingerprint, NameCheck(skipped=why), ShapeCheck(skipped=why))
+    tensors = checkpoint_tensors(model.path)
+    if isinstance(tensors, str):
+        return CheckedWeights(fingerprint, NameCheck(skipped=tensors), ShapeCheck(skipped=tensors))
+    started = time.monotonic()
+    architecture = build_architecture(model.path, settings.model.trust_remote_code)
+    names = check_tensor_names(model.path, model.config, architecture, tensors)
+    names = replace(names, seconds=round(time.monotonic() - started, 2))
+    started = time.monotonic()
+    shapes = check_tensor_shapes(model.path, model.config, architecture, tensors)
+    return CheckedWeights(fingerprint, names, replace(shapes, seconds=round(time.monotonic() - started, 2)))
 
 
 @dataclass(frozen=True)
@@ -100,7 +110,7 @@ class RunSetup:
     files: list[InputFile]
     skipped: list[SkippedInput]  # in the data directory, not read (logged by the run)
     sampling: Sampling | None  # generate.mode other than keep: how turns are sampled
-    weight_shapes: ShapeCheck | None = None  # the weights' shape check, where it ran
+    weights: CheckedWeights  # the weights' fingerprint and checks
 
     @property
     def generates(self) -> bool:
@@ -248,5 +258,5 @@ def prepare_run(settings: JobSettings, check_weights: bool = True) -> RunSetup:
         listing.files,
         listing.skipped,
         sampling,
-        weights.shapes,
+        weights,
     )
