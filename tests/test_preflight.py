@@ -1,16 +1,19 @@
 """The preflight's parts that need no vLLM: the reduced depth (which layers the dummy-weight model
 keeps for each layer kind and capture source), the output probe at a local path and on a real S3
 server (create-only writes of every kind, nothing left behind), and ``python -m job preflight``
-with the hf backend (data and output checked; a failure is exit 2 naming the concern). The
-engine part runs on vLLM in tests/test_vllm_preflight.py."""
+with the hf backend (data, weights, output and what an earlier run wrote there checked; a
+failure is exit 2 naming the concern, the same error run gives). The engine part runs on vLLM
+in tests/test_vllm_preflight.py."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 pytest.register_assert_rewrite("s3_fixtures")
 
@@ -231,3 +234,61 @@ def test_preflight_names_an_output_it_cannot_write(run_job: Any, tmp_path: Path)
     assert result.rc == EXIT_CONFIG, result.describe()
     assert "error: output.uri: cannot write to" in result.stderr
     assert blocker.read_text() == "not a directory"
+
+
+def test_preflight_refuses_the_weights_run_refuses(
+    run_job: Any, tiny_llama_dir: Path, tmp_path: Path, fast_args: tuple[str, ...]
+) -> None:
+    """The weights' check run makes before any model loads (job.weights, job.weight_names,
+    job.weight_shapes), with the same error, in the preflight: a truncated file and a renamed
+    tensor, with the hf backend, where the preflight builds no engine."""
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_llama_dir, truncated)
+    with (truncated / "model.safetensors").open("r+b") as f:
+        f.truncate(1_000_000)
+    renamed = tmp_path / "renamed"
+    shutil.copytree(tiny_llama_dir, renamed)
+    tensors = load_file(renamed / "model.safetensors")
+    tensors["model.layers.3.mlp.down.weight"] = tensors.pop("model.layers.3.mlp.down_proj.weight")
+    save_file(tensors, renamed / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    for model, needle in (
+        (truncated, "1 weight file(s) cannot load: model.safetensors: 1000000 bytes"),
+        (renamed, "1 tensor(s) the model has are not in the weights (model.layers.3.mlp.down_proj.weight)"),
+    ):
+        errors = []
+        for command in ("preflight", "run"):
+            result = run_job(command, f"--model.path={model}", f"--output.uri={out}", *fast_args)
+            assert result.rc == EXIT_CONFIG, result.describe()
+            errors.append(result.stderr.strip().splitlines())
+        assert errors[0] == errors[1] and len(errors[0]) == 1 and needle in errors[0][0], errors
+        assert errors[0][0].startswith(f"error: model.path {model}: "), errors
+        assert not out.exists()
+
+
+def test_preflight_checks_the_settings_of_what_the_output_holds(
+    run_job: Any, tmp_path: Path, write_jsonl: Any, fast_args: tuple[str, ...]
+) -> None:
+    """Other layer ids than an earlier run wrote: run would refuse them as it resumes (exit 2); the
+    preflight says so first, reading the output only. The same settings pass, saying what the
+    output holds."""
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    data = write_jsonl(tmp_path / "data.jsonl", [{"id": f"s{i}", **record} for i in range(3)])
+    out = tmp_path / "out"
+    args = (f"--data.path={data}", f"--output.uri={out}", *fast_args)
+    assert run_job("run", *args).rc == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    other = run_job("preflight", *args, "--layers.ids=[1,2,3,8]")
+    assert other.rc == EXIT_CONFIG, other.describe()
+    assert other.stderr.strip().splitlines() == [
+        f"error: {out / 'index-00000'} was written with different settings or data: layers.ids "
+        "(layer_ids: [2, 4, 5, 8] -> [1, 2, 3, 8]). Resume needs the same ones, or use a new output.uri"
+    ]
+    assert run_job("run", *args, "--layers.ids=[1,2,3,8]").stderr == other.stderr
+    same = run_job("preflight", *args)
+    assert same.rc == 0, same.describe()
+    assert (
+        f"output settings: {out / 'index-00000'} holds 1 shard(s) written with these settings, data and "
+        "weights (complete)"
+    ) in same.stdout
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

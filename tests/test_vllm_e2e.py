@@ -96,6 +96,12 @@ def test_the_preflight_passed_first_and_a_run_without_it_writes_the_same_samples
     names = [e["event"] for e in events]
     assert names.index("preflight_passed") < names.index("run_started") < names.index("adapter_selected")
     passed = events[names.index("preflight_passed")]
+    # The weights run had checked before it (names and shapes against config.json), not again.
+    assert any(
+        line.startswith("weights: the files load; the 75 tensors' names fit config.json")
+        and line.endswith("(checked by run, before its preflight)")
+        for line in passed["proven"]
+    ), passed["proven"]
     # Its memory estimate at full depth, from the reduced model's layers, is what the run built.
     built = next(e for e in events if e["event"] == "capture_installed")
     assert passed["memory"]["weight_bytes"] == built["weight_bytes"]

@@ -1,6 +1,8 @@
-"""The preflight on a real vLLM (the CPU build in CI), against a model directory whose weight
-files cannot be read: the preflight never reads weights (vLLM's dummy load format), so it passes
-there; ``run`` checks the weight files first (job.weights) and refuses them, before the preflight.
+"""The preflight on a real vLLM (the CPU build in CI). Its engine reads no weights (vLLM's dummy
+load format), but the preflight checks the weight files as ``run`` does before any model loads
+(job.weights, job.weight_names): a model directory whose weight file cannot be read, or whose
+tensor names do not fit its config.json, fails the preflight with ``run``'s own error, before any
+engine starts.
 
 The four failures that once each cost a full model load on an 8-GPU node are injected, one at a
 time, into the installed adapter set inside the job's own processes (a sitecustomize that patches
@@ -11,7 +13,7 @@ one tensor. Each fails in the preflight with exit 2 and an error naming that con
 capture's tap that expects one tensor fails in vLLM's compilation instead (Dynamo traces it, no hook
 call raises): a run without the preflight names it as well, with exit 2.
 
-Tests run as root here, which reads any file whatever its mode: the weight file is replaced by a
+Tests run as root here, which reads any file whatever its mode: the unreadable weight file is a
 symlink to nothing, which no one can read.
 """
 
@@ -27,6 +29,7 @@ from typing import Any
 
 import pytest
 from conftest import vllm_job_env, with_sitecustomize
+from safetensors.torch import load_file, save_file
 
 from job.backends.vllm_engine import REQUESTS, SCHEDULER, STEP
 from job.errors import EXIT_CONFIG
@@ -183,14 +186,14 @@ def _job(
 
 @pytest.mark.parametrize("injection", list(INJECTIONS))
 def test_each_known_failure_fails_the_preflight_with_exit_2_naming_it(
-    injection: str, unreadable_model: Path, tmp_path: Path
+    injection: str, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     module, body, concern = INJECTIONS[injection]
     pythonpath = with_sitecustomize(tmp_path / "inject", PATCH_ON_IMPORT.format(module=module, body=body))
     out = tmp_path / "out"
     rc, events, error = _job(
         "preflight",
-        [f"--model.path={unreadable_model}", f"--output.uri={out}"],
+        [f"--model.path={tiny_llama_dir}", f"--output.uri={out}"],
         tmp_path / "cache",
         PYTHONPATH=pythonpath,
     )
@@ -203,25 +206,50 @@ def test_each_known_failure_fails_the_preflight_with_exit_2_naming_it(
     print(f"\n{injection}: {error}")
 
 
-def test_preflight_passes_without_reading_the_weights_and_run_refuses_them_before_it(
-    unreadable_model: Path, tmp_path: Path
+@pytest.fixture(scope="module")
+def misnamed_model(tmp_path_factory: pytest.TempPathFactory, builtin_model: Any) -> Path:
+    """builtin:tiny-llama with every tensor name prefixed as a PEFT save prefixes them."""
+    model = tmp_path_factory.mktemp("misnamed") / "tiny-llama"
+    shutil.copytree(builtin_model("tiny-llama"), model)
+    tensors = load_file(model / "model.safetensors")
+    save_file({f"base_model.model.{k}": v for k, v in tensors.items()}, model / "model.safetensors")
+    return model
+
+
+@pytest.mark.parametrize(
+    ("weights", "error"),
+    [
+        (
+            "unreadable",
+            "1 weight file(s) cannot load: model.safetensors: cannot be read (No such file or directory); "
+            "copy or download the model's weights again",
+        ),
+        (
+            "misnamed",
+            "the weights' tensor names do not fit its config.json (LlamaForCausalLM): 0 of its 75 tensor "
+            "names are names the model has; 75 would be, without the prefix 'base_model.model.' at their "
+            "start",
+        ),
+    ],
+)
+def test_weights_run_would_refuse_fail_the_preflight_before_its_engine(
+    weights: str, error: str, unreadable_model: Path, misnamed_model: Path, tmp_path: Path
 ) -> None:
+    """The preflight's own engine would pass them (dummy weights); the real load would not (vLLM
+    refuses both inside its worker, after the engine's start-up: exit 1). The preflight refuses
+    them with run's error, exit 2, before any engine starts; run refuses them before its
+    preflight."""
+    model = unreadable_model if weights == "unreadable" else misnamed_model
     out = tmp_path / "out"
-    args = [f"--model.path={unreadable_model}", f"--output.uri={out}"]
-    rc, events, error = _job("preflight", args, tmp_path / "cache")
-    passed = next(e for e in events if e["event"] == "preflight_passed")
-    assert rc == 0, (error, events[-3:])
-    assert any("the weights themselves" in line for line in passed["not_proven"])
-    assert any(line.startswith("pipeline: 3 samples") for line in passed["proven"]), passed["proven"]
-    # run checks the weight files before anything else that costs time: exit 2 naming them.
-    rc, events, error = _job("run", args, tmp_path / "cache")
-    assert rc == EXIT_CONFIG, (error, events[-3:])
-    assert error == (
-        f"error: model.path {unreadable_model}: 1 weight file(s) cannot load: model.safetensors: cannot be "
-        "read (No such file or directory); copy or download the model's weights again"
-    )
+    args = [f"--model.path={model}", f"--output.uri={out}"]
+    rc, events, preflight_error = _job("preflight", args, tmp_path / "cache")
+    assert rc == EXIT_CONFIG, (preflight_error, events[-3:])
+    assert preflight_error.startswith(f"error: model.path {model}: {error}"), preflight_error
+    assert "preflight_engine" not in [e["event"] for e in events]
+    rc, events, run_error = _job("run", args, tmp_path / "cache")
+    assert rc == EXIT_CONFIG and run_error == preflight_error, (run_error, events[-3:])
     assert not [e for e in events if e["event"].startswith("preflight")]
-    print(f"\nunreadable weights: preflight passed in {passed['seconds']}; run: {error}")
+    assert not out.exists()
 
 
 def test_a_compiled_tap_failing_in_vllms_compilation_exits_2_without_the_preflight(

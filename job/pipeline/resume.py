@@ -40,12 +40,10 @@ def resume(setup: RunSetup, store: IndexStore, log: Any) -> Resumed:
     data, version = store.read_manifest()
     manifest = None if data is None else Manifest.from_bytes(data, store.location)
     earlier_runs: list[str] = []
-    if manifest is not None and not manifest.shards and not manifest.complete:
+    if manifest is not None and starts_over(manifest):
         log.info("index_started_over", location=store.location, earlier_runs=manifest.run_ids)
         earlier_runs, manifest = manifest.run_ids, None
-    if manifest is not None:
-        manifest.check_resumable(setup.identity, store.location)
-    _check_extraction(setup.identity, store.read_output_claim(), store)
+    check_output_settings(setup.identity, manifest, store.read_output_claim(), store.location)
     if manifest is None:
         model = setup.model
         manifest = Manifest(
@@ -71,10 +69,28 @@ def resume(setup: RunSetup, store: IndexStore, log: Any) -> Resumed:
     return Resumed(manifest, version, next_number, manifest.counts.written)
 
 
+def starts_over(manifest: Manifest) -> bool:
+    """Whether a run starts the index over, with its own settings: its manifest lists no shard and
+    is not complete (the module docstring)."""
+    return not manifest.shards and not manifest.complete
+
+
+def check_output_settings(
+    identity: Identity, manifest: Manifest | None, claim: bytes | None, location: str
+) -> None:
+    """ConfigError (exit 2) unless a run with ``identity`` may go on with the index at ``location``:
+    its ``manifest`` (None: none, or one a run starts over) and the output's ``EXTRACTION``
+    (``claim``; None while there is none) hold this extraction. ``run`` checks this as it resumes,
+    the preflight before any engine starts."""
+    if manifest is not None:
+        manifest.check_resumable(identity, location)
+    _check_extraction(identity, claim, location)
+
+
 def pin_output(identity: Identity, store: IndexStore) -> None:
     """Write the output's ``EXTRACTION`` (create-only) unless one exists, and check that it is this
     run's: called before the index's manifest first lists a shard or is complete."""
-    _check_extraction(identity, store.claim_output(_extraction_bytes(identity)), store)
+    _check_extraction(identity, store.claim_output(_extraction_bytes(identity)), store.location)
 
 
 def _extraction_bytes(identity: Identity) -> bytes:
@@ -83,14 +99,14 @@ def _extraction_bytes(identity: Identity) -> bytes:
     ).encode()
 
 
-def _check_extraction(identity: Identity, found: bytes | None, store: IndexStore) -> None:
+def _check_extraction(identity: Identity, found: bytes | None, location: str) -> None:
     """Every index of one output holds one extraction: the same model, layers, data, settings and
     work.count. The first index to commit a shard writes what that is (``EXTRACTION``); an index
     run with anything else, a different work.count above all, would split the samples differently
     and write some twice. ``found``: the file's content, None while there is none."""
     if found is None:
         return
-    where = f"{EXTRACTION} beside {store.location}"
+    where = f"{EXTRACTION} beside {location}"
     try:
         theirs = Identity.model_validate({**json.loads(found), "work_index": identity.work_index})
     except ValueError as exc:

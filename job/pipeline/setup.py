@@ -112,6 +112,12 @@ class RunSetup:
     sampling: Sampling | None  # generate.mode other than keep: how turns are sampled
     weights: CheckedWeights  # the weights' fingerprint and checks
 
+    def with_weights(self, weights: CheckedWeights) -> RunSetup:
+        """This set-up with ``weights`` checked and fingerprinted (the preflight checks them in a
+        stage of its own, after prepare_run)."""
+        identity = self.identity.model_copy(update={"weights_fingerprint": weights.fingerprint})
+        return replace(self, weights=weights, identity=identity)
+
     @property
     def generates(self) -> bool:
         """Whether the backend generates turns before extracting (generate.mode other than keep)."""

@@ -1,5 +1,5 @@
 """The preflight's output check: create-only writes at the real ``output.uri``, of every kind the
-run makes there, leaving nothing behind.
+run makes there, leaving nothing behind; and, read only, what an earlier run left there.
 
 Object store: a create-only put, the same put again (which the store must refuse: resume and
 the shard keys rely on ``If-None-Match``), a multipart upload with its full-object CRC64NVME
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from job.checksum import ALGORITHM, crc64nvme_file
 from job.errors import ConfigError
-from job.layout import index_dir_name
+from job.layout import EXTRACTION, MANIFEST, index_dir_name
 from job.manifest import Checksum
 from job.settings import MIN_PART_SIZE, OutputSettings
 from job.storage import connect_transport, uri_scheme
@@ -37,6 +37,38 @@ def probe_output(output: OutputSettings, index: int) -> list[str]:
 
         return _probe_local(local_root(output.uri) / index_dir_name(index), int(output.shard_bytes))
     return _probe_object_store(output, index)
+
+
+def read_output_records(output: OutputSettings, index: int) -> tuple[bytes | None, bytes | None, str]:
+    """Index ``index``'s manifest and the output's ``EXTRACTION`` as they are (None: absent), and
+    where the index is (as ``run``'s store names it), read without writing anything."""
+    if uri_scheme(output.uri) is None:
+        from job.storage.local import local_root
+
+        directory = local_root(output.uri) / index_dir_name(index)
+        return (
+            _read_if_present(directory / MANIFEST),
+            _read_if_present(directory.parent / EXTRACTION),
+            str(directory),
+        )
+    transport, root = connect_transport(output.uri, "output.uri")
+    prefix = f"{root}/" if root else ""
+    try:
+        manifest = transport.get(f"{prefix}{index_dir_name(index)}/{MANIFEST}")
+        claim = transport.get(prefix + EXTRACTION)
+        location = transport.url(prefix + index_dir_name(index))
+    finally:
+        transport.close()
+    return None if manifest is None else manifest[0], None if claim is None else claim[0], location
+
+
+def _read_if_present(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"output.uri: cannot read {path}: {exc.strerror}") from None
 
 
 def _probe_local(directory: Path, shard_bytes: int) -> list[str]:
