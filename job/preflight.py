@@ -48,7 +48,13 @@ from job.logs import configure_logging, get_logger
 from job.manifest import Manifest
 from job.pipeline.resume import check_output_settings, starts_over
 from job.pipeline.runner import run_job
-from job.pipeline.setup import CheckedWeights, RunSetup, check_model_weights, prepare_run
+from job.pipeline.setup import (
+    CheckedWeights,
+    RunSetup,
+    check_model_weights,
+    ignored_backend_settings,
+    prepare_run,
+)
 from job.settings import JobSettings
 
 if TYPE_CHECKING:
@@ -137,11 +143,14 @@ class PreflightReport:
     seconds: dict[str, float] = field(default_factory=dict)  # by stage, and "total"
     engine_seconds: dict[str, float] = field(default_factory=dict)  # the engine stage's parts
     memory: dict[str, Any] = field(default_factory=dict)  # FullDepthMemory's fields, where estimated
+    warnings: list[str] = field(default_factory=list)  # what passes but is likely not what was meant
 
     def text(self) -> str:
         lines = ["preflight passed", "proven:"]
         lines += [f"  - {p}" for p in self.proven]
         lines += ["not proven:"] + [f"  - {p}" for p in self.not_proven]
+        if self.warnings:
+            lines += ["warnings:"] + [f"  - {w}" for w in self.warnings]
         times = ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items() if k != "total")
         if self.engine_seconds:
             times += " (" + ", ".join(f"{k} {v:.1f} s" for k, v in self.engine_seconds.items()) + ")"
@@ -159,6 +168,11 @@ def preflight(settings: JobSettings, weights: CheckedWeights | None = None) -> P
     with _stage(report, DATA):
         setup = prepare_run(settings, check_weights=False)  # the weights are the next stage's
         owned = _check_data(setup, report)
+    if ignored := ignored_backend_settings(settings):
+        report.warnings.append(
+            f"ignored: {', '.join(ignored)}: backend.name is {settings.backend.name}, these settings apply "
+            "to the other backend only"
+        )
     with _stage(report, WEIGHTS):
         checked_by_run = weights is not None
         setup = setup.with_weights(weights or check_model_weights(settings, setup.model))

@@ -2,11 +2,12 @@
 keeps for each layer kind and capture source), the output probe at a local path and on a real S3
 server (create-only writes of every kind, nothing left behind), and ``python -m job preflight``
 with the hf backend (data, weights, output and what an earlier run wrote there checked; a
-failure is exit 2 naming the concern, the same error run gives). The engine part runs on vLLM
-in tests/test_vllm_preflight.py."""
+failure is exit 2 naming the concern, the same error run gives; settings the backend ignores
+reported). The engine part runs on vLLM in tests/test_vllm_preflight.py."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -292,3 +293,31 @@ def test_preflight_checks_the_settings_of_what_the_output_holds(
         "weights (complete)"
     ) in same.stdout
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_settings_of_the_backend_not_in_use_are_reported_as_ignored(
+    run_job: Any, tmp_path: Path, fast_args: tuple[str, ...]
+) -> None:
+    """backend.vllm.* with backend.name hf: a warning in the preflight's report and a
+    settings_ignored log event (run and plan log it too); none with the defaults."""
+    out = tmp_path / "out"
+    result = run_job(
+        "preflight",
+        f"--output.uri={out}",
+        "--backend.vllm.max_num_seqs=4",
+        '--backend.vllm.engine_args={"block_size": 16}',
+        *fast_args,
+    )
+    assert result.rc == 0, result.describe()
+    assert (
+        "warnings:\n  - ignored: backend.vllm.max_num_seqs, backend.vllm.engine_args: backend.name is hf, "
+        "these settings apply to the other backend only"
+    ) in result.stdout
+    plan = run_job("plan", "--backend.vllm.max_num_seqs=4", *fast_args, "--log.format=json")
+    events = [json.loads(line) for line in plan.stdout.splitlines() if line.startswith("{")]
+    (event,) = [e for e in events if e["event"] == "settings_ignored"]
+    assert event["settings"] == ["backend.vllm.max_num_seqs"] and event["level"] == "warning", event
+    defaults = run_job("preflight", f"--output.uri={out}", *fast_args, "--log.format=json")
+    assert (
+        defaults.rc == 0 and "settings_ignored" not in defaults.stdout and "warnings:" not in defaults.stdout
+    )

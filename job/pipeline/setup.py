@@ -16,9 +16,10 @@ from job.errors import ConfigError
 from job.generate.sampling import Sampling, resolve_sampling
 from job.generate.stage import Regenerator
 from job.hidden_dtype import HiddenDtype, stored_dtype
+from job.logs import get_logger
 from job.manifest import Identity
 from job.model import LAYER_CONVENTION, ModelInfo, resolve_model
-from job.settings import JobSettings
+from job.settings import BackendSettings, JobSettings, VllmSettings
 from job.weight_names import NameCheck, check_tensor_names
 from job.weight_shapes import ShapeCheck, check_tensor_shapes
 from job.weights import check_weights, checkpoint_tensors, weights_fingerprint
@@ -177,9 +178,30 @@ def _vllm_installed() -> bool:
         return False
 
 
-def check_backend(settings: JobSettings, model: ModelInfo) -> None:
-    """Mistakes no retry can fix, found before any sample is read: exit 2 with the setting named."""
+def ignored_backend_settings(settings: JobSettings) -> list[str]:
+    """The settings given another value than their default that the backend in use ignores: the
+    vLLM backend's (``backend.vllm.*``) with the hf backend, the hf backend's device with vLLM."""
     backend = settings.backend
+    if backend.name == "hf":
+        defaults = VllmSettings()
+        return [
+            f"backend.vllm.{key}"
+            for key in VllmSettings.model_fields
+            if getattr(backend.vllm, key) != getattr(defaults, key)
+        ]
+    return ["backend.device"] if backend.device != BackendSettings().device else []
+
+
+def check_backend(settings: JobSettings, model: ModelInfo) -> None:
+    """Mistakes no retry can fix, found before any sample is read: exit 2 with the setting named;
+    a warning for settings the backend in use ignores."""
+    backend = settings.backend
+    if ignored := ignored_backend_settings(settings):
+        get_logger(component="settings").warning(
+            "settings_ignored",
+            settings=ignored,
+            why=f"backend.name is {backend.name}: these settings apply to the other backend only",
+        )
     if backend.name == "vllm" and not _vllm_installed():
         raise ConfigError(
             "backend.name is vllm, but vLLM is not installed in this environment; use the container "
