@@ -9,6 +9,7 @@ the safetensors headers with it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,19 +27,11 @@ class Architecture:
     buffers: frozenset[str]  # every buffer, those no checkpoint holds (rotary caches) included
     layers: str | None  # the decoder layer list's path (model.layers), where there is one
     # transformers' own allowances: names a checkpoint may lack and names it may hold that the
-    # model ignores (regular expressions), and the renames its loader applies to a checkpoint's
-    # names before matching them (vision-language models' older layouts), in order.
+    # model ignores (regular expressions), and its loader's renaming of a checkpoint's names
+    # (each name -> the model's name it loads into).
     ignored_missing: tuple[str, ...]
     ignored_unexpected: tuple[str, ...]
-    renames: tuple[tuple[str, str], ...]
-
-    def loaded_name(self, name: str) -> str:
-        """A checkpoint tensor's name as transformers' loader matches it to the model."""
-        for pattern, replacement in self.renames:
-            renamed, count = re.subn(pattern, replacement, name)
-            if count:
-                return renamed
-        return name
+    loading: Callable[[Iterable[str]], Loading]
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -47,6 +40,55 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     if not isinstance(layers, torch.nn.ModuleList):
         raise TypeError(f"{type(model).__name__}: cannot find the decoder layer list")
     return layers
+
+
+@dataclass(frozen=True)
+class Loading:
+    """What transformers' loader makes of a checkpoint's tensor names."""
+
+    names: dict[str, str]  # checkpoint name -> the model's name it loads into
+    # checkpoint names whose tensors a conversion reshapes on the way (fused, split, transposed):
+    # their shapes are not the model's
+    converted: frozenset[str]
+
+
+def _loading(model: torch.nn.Module) -> Callable[[Iterable[str]], Loading]:
+    """How transformers' loader renames a checkpoint's tensor names to the model's: transformers 5
+    with its weight conversions (renamings, and converters such as per-expert tensors into the
+    fused ones of an architecture that fuses its experts), called as its loader calls them;
+    transformers 4 with the regular expressions of vision-language models' older layouts."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+        )
+    except ImportError:  # transformers 4
+        mapping = list((getattr(model, "_checkpoint_conversion_mapping", None) or {}).items())
+
+        def first_match(name: str) -> str:
+            for pattern, replacement in mapping:
+                renamed, count = re.subn(pattern, replacement, name)
+                if count:
+                    return renamed
+            return name
+
+        return lambda names: Loading({name: first_match(name) for name in names}, frozenset())
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+
+    def load(names: Iterable[str]) -> Loading:
+        loaded, converted = {}, set()
+        for name in sorted(names, key=dot_natural_key):  # its loader's order: renamings hold state
+            loaded[name], converter = rename_source_key(name, renamings, converters)
+            if converter is not None:
+                converted.add(name)
+        return Loading(loaded, frozenset(converted))
+
+    return load
 
 
 def build_architecture(directory: Path, trust_remote_code: bool) -> Architecture | str:
@@ -98,5 +140,5 @@ def build_architecture(directory: Path, trust_remote_code: bool) -> Architecture
         layers=layers_path,
         ignored_missing=tuple(getattr(model, "_keys_to_ignore_on_load_missing", None) or ()),
         ignored_unexpected=tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()),
-        renames=tuple((getattr(model, "_checkpoint_conversion_mapping", None) or {}).items()),
+        loading=_loading(model),
     )

@@ -286,7 +286,7 @@ def _weights_checked(weights: CheckedWeights, checked_by_run: bool) -> str:
         layers = f"; their {names.layers} decoder layers fit config.json" if names.layers is not None else ""
         fit = f"tensor names not compared ({names.skipped}){layers}"
     else:
-        layout = f", {names.by_module} by module (quantized or per-expert)" if names.by_module else ""
+        layout = f", {names.by_module} by quantized module" if names.by_module else ""
         fit = (
             f"the {names.tensors} tensors' names fit config.json ({names.by_name} by name{layout}, "
             f"{names.layers} decoder layers)"

@@ -9,14 +9,15 @@ safetensors headers with the architecture transformers builds from ``config.json
 (``job.architecture``), as its loader matches them, and refuses a mismatch with exit 2, naming
 the tensors and what was expected.
 
-Names need no shapes, so quantized checkpoints are checked too, module by module: a quantized
-module's tensors carry the scheme's names (``weight_packed``, ``weight_scale``), so a module is
-covered when the checkpoint holds any tensor of it. Allowed without a word: a tensor the model
-shares with one the checkpoint holds (``lm_head.weight`` under ``tie_word_embeddings``), buffers
-(``rotary_emb.inv_freq``: transformers recomputes them, vLLM skips them by name), the
-multi-token-prediction layers after the last decoder layer (``num_nextn_predict_layers``), the
-names transformers itself ignores, and per-expert tensors of an architecture that fuses its
-experts (transformers 5 does).
+Names are compared as transformers' loader renames them (transformers 5's weight conversions,
+which turn per-expert tensors into the fused ones of an architecture that fuses its experts;
+transformers 4's older vision-language layouts). Names need no shapes, so quantized checkpoints
+are checked too, module by module: a quantized module's tensors carry the scheme's names
+(``weight_packed``, ``weight_scale``), so a module is covered when the checkpoint holds any
+tensor of it. Allowed without a word: a tensor the model shares with one the checkpoint holds
+(``lm_head.weight`` under ``tie_word_embeddings``), buffers (``rotary_emb.inv_freq``: transformers
+recomputes them, vLLM skips them by name), the multi-token-prediction layers after the last
+decoder layer (``num_nextn_predict_layers``), and the names transformers itself ignores.
 
 Where transformers cannot build the architecture (remote code not allowed, an architecture only
 vLLM has), the decoder layers the weights hold are still counted against ``num_hidden_layers``.
@@ -50,10 +51,10 @@ _REMEDY = (
 
 @dataclass(frozen=True)
 class NameCheck:
-    """Of the checkpoint's ``tensors``: how many the architecture has by name (``by_name``) and how
-    many hold one of its modules in another layout (``by_module``: quantized, per-expert); how many
-    decoder layers they hold; or why the names were not compared (``skipped``: the layers may
-    still have been counted)."""
+    """Of the checkpoint's ``tensors``: how many the architecture has by name, as transformers'
+    loader renames them (``by_name``), and how many hold a quantized module's weights
+    (``by_module``); how many decoder layers they hold; or why the names were not compared
+    (``skipped``: the layers may still have been counted)."""
 
     tensors: int = 0
     by_name: int = 0
@@ -84,62 +85,60 @@ def check_tensor_names(
         path = max(_DECODER_PATHS, key=lambda p: len(_layer_numbers(tensors, p)))
         layers = _check_layer_count(directory, tensors, path, num_layers, mtp_layers)
         return NameCheck(tensors=len(tensors), layers=layers, skipped=architecture)
-    loaded = {architecture.loaded_name(name): name for name in tensors}
+    loaded = architecture.loading(tensors).names  # checkpoint name -> the model's name
     layers, mtp = None, ()
     if architecture.layers is not None:
-        layers = _check_layer_count(directory, loaded, architecture.layers, num_layers, mtp_layers)
+        layers = _check_layer_count(directory, loaded.values(), architecture.layers, num_layers, mtp_layers)
         mtp = tuple(f"{architecture.layers}.{i}." for i in range(num_layers, num_layers + mtp_layers))
     ignored = _any_of(architecture.ignored_unexpected)
     unknown = [
         name
-        for name in loaded
-        if name not in architecture.shapes
-        and name not in architecture.buffers
-        and not name.endswith(_ROTARY_CACHES)
-        and not (mtp and name.startswith(mtp))
-        and not (ignored and ignored.search(name))
+        for name, target in loaded.items()
+        if target not in architecture.shapes
+        and target not in architecture.buffers
+        and not target.endswith(_ROTARY_CACHES)
+        and not (mtp and target.startswith(mtp))
+        and not (ignored and ignored.search(target))
     ]
     is_quantized = quantized(config) is not None
-    owners = {name: _layout_owner(name, architecture, is_quantized) for name in unknown}
-    covered = {owner for owner in owners.values() if owner is not None}
-    unexpected = [name for name, owner in owners.items() if owner is None]
+    covered, unexpected = set(), []  # quantized modules the checkpoint holds; names of no module
+    for name in unknown:
+        if is_quantized and (module := _module_of(loaded[name], architecture)) is not None:
+            covered.add(module)
+        else:
+            unexpected.append(name)
+    targets = set(loaded.values())
     may_lack = _any_of(architecture.ignored_missing)
     missing = sorted(
         name
         for name in architecture.shapes
-        if name not in loaded
-        and not architecture.tied.get(name, frozenset()) & loaded.keys()
+        if name not in targets
+        and not architecture.tied.get(name, frozenset()) & targets
         and name.rpartition(".")[0] not in covered
         and not (may_lack and may_lack.search(name))
     )
+    by_name = sum(1 for target in loaded.values() if target in architecture.shapes)
     if missing or unexpected:
-        what = _describe(missing, unexpected, loaded, tensors, architecture)
+        what = _describe(missing, unexpected, tensors, by_name, architecture)
         raise ConfigError(
             f"model.path {directory}: the weights' tensor names do not fit its config.json "
             f"({architecture.name}): {what}; {_REMEDY}"
         )
-    return NameCheck(
-        tensors=len(tensors),
-        by_name=len(loaded.keys() & architecture.shapes.keys()),
-        by_module=len(unknown),
-        layers=layers,
-    )
+    return NameCheck(tensors=len(tensors), by_name=by_name, by_module=len(unknown), layers=layers)
 
 
 def _any_of(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
     return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
 
 
-def _layout_owner(name: str, architecture: Architecture, is_quantized: bool) -> str | None:
-    """The module of the architecture whose tensors ``name`` holds in a layout of its own: any
-    tensor under a module of a quantized checkpoint (packed, scaled), or one expert's tensor
-    where the architecture fuses its experts (a name further down than the module that holds the
-    fused tensors); None if neither."""
+def _module_of(name: str, architecture: Architecture) -> str | None:
+    """The module of the architecture that holds parameters and whose tensor ``name`` is, as a
+    quantized checkpoint names them (``...down_proj.weight_packed``, bitsandbytes'
+    ``...down_proj.weight.absmax``); None if none is."""
     parts = name.split(".")
     for end in range(len(parts) - 1, 0, -1):
-        module = ".".join(parts[:end])
-        if module in architecture.owners:
-            return module if is_quantized or end < len(parts) - 1 else None
+        if (module := ".".join(parts[:end])) in architecture.owners:
+            return module
     return None
 
 
@@ -178,13 +177,13 @@ def _check_layer_count(
 def _describe(
     missing: list[str],
     unexpected: list[str],
-    loaded: dict[str, str],
     tensors: dict[str, tuple[str, tuple[int, ...]]],
+    by_name: int,
     architecture: Architecture,
 ) -> str:
     """What does not fit, in words: a change of prefix that makes the names the model's, else the
     missing and the foreign tensors."""
-    fitting = len(loaded.keys() & architecture.shapes.keys())
+    fitting = f"{by_name} of its {len(tensors)} tensor names are names the model has"
     change = _prefix_change(unexpected, architecture)
     if change is not None and change[1] * 2 >= len(tensors):
         (strip, add), fits = change
@@ -200,17 +199,14 @@ def _describe(
             if strip.startswith("base_model.")
             else ""
         )
-        return (
-            f"{fitting} of its {len(tensors)} tensor names are names the model has; {fits} would be, "
-            f"{how} at their start{peft}"
-        )
-    parts = []
+        return f"{fitting}; {fits} would be, {how} at their start{peft}"
+    parts = [fitting]
     if missing:
         parts.append(f"{len(missing)} tensor(s) the model has are not in the weights ({_names(missing)})")
     if unexpected:
-        named = [f"{loaded[name]} in {tensors[loaded[name]][0]}" for name in unexpected]
+        named = [f"{name} in {tensors[name][0]}" for name in unexpected]
         parts.append(f"{len(unexpected)} tensor(s) in the weights are not the model's ({_names(named)})")
-    return f"{fitting} of its {len(tensors)} tensor names are names the model has; " + "; ".join(parts)
+    return "; ".join(parts)
 
 
 def _names(names: list[str]) -> str:

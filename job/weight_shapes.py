@@ -11,9 +11,10 @@ checks the names first).
 A false alarm would block a valid run, so the check compares only what means the same on both
 sides and says why it skipped otherwise: quantized checkpoints (``quantization_config``: packed
 and scaled tensors have other shapes than the architecture's), architectures transformers cannot
-build without remote code, ``config.json`` overridden for vLLM (``hf_overrides``), pickled weights
-(their shapes are inside the pickle), and names only one side has (per-expert tensors where the
-architecture fuses them, multi-token-prediction layers).
+build without remote code, ``config.json`` overridden for vLLM (``hf_overrides``), weights that
+cannot be listed without reading them (pickles of before torch 1.6), tensors transformers' loader
+reshapes as it loads them (transformers 5 fuses per-expert tensors), and names only one side has
+(multi-token-prediction layers).
 """
 
 from __future__ import annotations
@@ -55,14 +56,16 @@ def check_tensor_shapes(
     if isinstance(architecture, str):
         return ShapeCheck(skipped=architecture)
     expected = architecture.shapes
-    tensors = {architecture.loaded_name(name): found for name, found in tensors.items()}
-    common = tensors.keys() & expected.keys()
+    loading = architecture.loading(tensors)
+    # the model's name -> (file, shape), where the loader keeps the tensor as it is
+    found = {loading.names[name]: at for name, at in tensors.items() if name not in loading.converted}
+    common = found.keys() & expected.keys()
     if not common:
         return ShapeCheck(tensors=len(tensors), skipped="no tensor name in common with the architecture")
-    mismatched = sorted(name for name in common if tensors[name][1] != expected[name])
+    mismatched = sorted(name for name in common if found[name][1] != expected[name])
     if mismatched:
         shown = "; ".join(
-            f"{name} in {tensors[name][0]} has shape {list(tensors[name][1])}, config.json makes it "
+            f"{name} in {found[name][0]} has shape {list(found[name][1])}, config.json makes it "
             f"{list(expected[name])}"
             for name in mismatched[:_SHOWN]
         )
