@@ -665,3 +665,41 @@ def test_an_architecture_transformers_cannot_build_still_has_its_layers_counted(
         ConfigError, match=re.escape("config.json's num_hidden_layers is 10, but the weights hold 8")
     ):
         checked(model)
+
+
+def test_a_vision_language_checkpoint_in_its_own_layout_is_not_refused(
+    tmp_path: Path, inprocess_env: None
+) -> None:
+    """A tiny Gemma-3, saved by save_pretrained (transformers 4 writes the older layout, its language
+    model under language_model.model.*): its names are those the loader renames
+    (model.language_model.*), not a prefix to refuse, under transformers 4 and 5 alike."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    config = Gemma3Config(
+        text_config={
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "vocab_size": 300,
+        },
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+        },
+        mm_tokens_per_image=4,
+    )
+    model = tmp_path / "gemma3"
+    Gemma3ForConditionalGeneration(config).save_pretrained(model)
+    tensors = checkpoint_tensors(model)
+    assert not isinstance(tensors, str), tensors
+    names = check_tensor_names(model, config_of(model), build_architecture(model, False), tensors)
+    assert names.skipped is None and names.by_name == names.tensors == len(tensors) and names.layers == 2, (
+        names
+    )
