@@ -17,6 +17,16 @@ import torch
 
 
 @dataclass(frozen=True)
+class Loading:
+    """What transformers' loader makes of a checkpoint's tensor names."""
+
+    names: dict[str, str]  # checkpoint name -> the model's name it loads into
+    # checkpoint names whose tensors a conversion reshapes on the way (fused, split, transposed):
+    # their shapes are not the model's
+    converted: frozenset[str]
+
+
+@dataclass(frozen=True)
 class Architecture:
     name: str  # the model class transformers built
     shapes: dict[str, tuple[int, ...]]  # its state dict: parameters and persistent buffers
@@ -40,16 +50,6 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     if not isinstance(layers, torch.nn.ModuleList):
         raise TypeError(f"{type(model).__name__}: cannot find the decoder layer list")
     return layers
-
-
-@dataclass(frozen=True)
-class Loading:
-    """What transformers' loader makes of a checkpoint's tensor names."""
-
-    names: dict[str, str]  # checkpoint name -> the model's name it loads into
-    # checkpoint names whose tensors a conversion reshapes on the way (fused, split, transposed):
-    # their shapes are not the model's
-    converted: frozenset[str]
 
 
 def _loading(model: torch.nn.Module) -> Callable[[Iterable[str]], Loading]:

@@ -287,10 +287,8 @@ def _weights_checked(weights: CheckedWeights, checked_by_run: bool) -> str:
         fit = f"tensor names not compared ({names.skipped}){layers}"
     else:
         layout = f", {names.by_module} by quantized module" if names.by_module else ""
-        fit = (
-            f"the {names.tensors} tensors' names fit config.json ({names.by_name} by name{layout}, "
-            f"{names.layers} decoder layers)"
-        )
+        layers = f", {names.layers} decoder layers" if names.layers is not None else ""
+        fit = f"the {names.tensors} tensors' names fit config.json ({names.by_name} by name{layout}{layers})"
     shaped = (
         f"shapes not compared ({shapes.skipped})"
         if shapes.skipped is not None
