@@ -20,8 +20,10 @@ Cases (``python -m job`` in a subprocess unless said otherwise):
   index: exit 2 naming it and output.on_damaged_shard=reextract; with reextract, its samples are
   extracted again;
 * reading damaged output: iter_output raises DamagedShard (verify=False reads it), compare and
-  export --verify end with an error line and exit 1;
-* the command line: --version, a --help per command, a reader of stdout that went away (exit 141);
+  export --verify end with an error line and exit 1; compare refuses a --tolerance that is nan or
+  negative (exit 2);
+* the command line: --version, a --help per command, an unknown command (exit 2, the commands
+  listed), a reader of stdout that went away (exit 141);
 * an unexpected exception (an activation transformers lacks) with --log.format=console: the traceback is
   rendered in the log, stderr has one line;
 * progress events (tokens, an estimated then exact total, ETA, committed samples) and the final
@@ -753,6 +755,20 @@ def test_compare_names_the_setting_that_differs(
     assert same.rc == 0 and "different settings" not in same.stdout, same.describe()
 
 
+@pytest.mark.parametrize("tolerance", ["nan", "-0.01", "-inf", "tiny"])
+def test_compare_refuses_a_tolerance_that_is_no_relative_error(
+    complete_run: tuple[Path, Any], run_job: Callable[..., Any], tolerance: str
+) -> None:
+    # nan failed every comparison (nothing is <= nan) and a negative one every sample: both
+    # said FAIL (exit 1) about outputs that are equal.
+    out = str(complete_run[0])
+    result = run_job("compare", out, "--reference", out, f"--tolerance={tolerance}")
+    error_line(result, 2, "--tolerance", repr(tolerance), "relative error of 0 or more")
+    assert result.stdout == ""
+    same = run_job("compare", out, "--reference", out, "--tolerance=0")
+    assert same.rc == 0 and same.stdout.startswith("OK: 6 samples compared"), same.describe()
+
+
 def test_export_verify_with_a_damaged_shard(
     damaged_copy: tuple[Path, str], run_job: Callable[..., Any]
 ) -> None:
@@ -769,6 +785,18 @@ def test_export_verify_with_a_damaged_shard(
 def test_version(run_job: Callable[..., Any]) -> None:
     result = run_job("--version")
     assert result.rc == 0 and result.stdout.strip() == f"eagle3-extract {version('eagle3-extract')}"
+
+
+@pytest.mark.parametrize("word", ["frobnicate", "reextract"])
+def test_an_unknown_command_lists_the_commands(
+    run_job: Callable[..., Any], tmp_path: Path, word: str
+) -> None:
+    # It used to run `run` with the word as a stray setting ("unexpected argument").
+    result = run_job(word, f"--output.uri={tmp_path / 'out'}")
+    line = error_line(result, 2, f"unknown command {word!r}", "run (the default)", "--section.key=value")
+    for command in ("config", "plan", "preflight", "inspect", "compare", "bench", "export"):
+        assert command in line
+    assert not (tmp_path / "out").exists()
 
 
 def test_every_command_has_its_own_help(run_job: Callable[..., Any]) -> None:
