@@ -34,11 +34,12 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import mount_namespace, with_sitecustomize
 from safetensors.torch import load_file
 
 from job.cli import main
-from job.errors import EXIT_CONFIG, EXIT_FAILURE, ConfigError, DamagedShard
-from job.export import METADATA, order_layers
+from job.errors import EXIT_CONFIG, ConfigError, DamagedShard
+from job.export import METADATA, UNFINISHED, order_layers
 from job.shards import Sample, iter_output, read_manifest
 
 N = 8  # builtin:tiny-llama's decoder layers
@@ -286,17 +287,161 @@ def test_export_verify_catches_a_damaged_shard(two_indexes: Path, tmp_path: Path
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 1]))
     assert export(src, tmp_path / "unverified") == 0
-    assert export(src, tmp_path / "verified", "--verify") == EXIT_FAILURE
+    # exit 2: exporting again cannot mend the shard; the unfinished export is removed
+    assert export(src, tmp_path / "verified", "--verify") == EXIT_CONFIG
+    assert not (tmp_path / "verified").exists()
     # a reference export reads the ids and masks alone: --verify reads each sample through its
     # checksum; without it, training does, and stops at the damaged sample naming it
     reference = ("--hidden-states", "reference")
-    assert export(src, tmp_path / "reference-verified", *reference, "--verify") == EXIT_FAILURE
+    assert export(src, tmp_path / "reference-verified", *reference, "--verify") == EXIT_CONFIG
+    assert not (tmp_path / "reference-verified").exists()
     assert export(src, tmp_path / "reference", *reference) == 0
     shards = json.loads((tmp_path / "reference" / METADATA).read_text())["source"]["indexes"][0]["shards"]
     transfer = reference_transfer(tmp_path / "reference")
     transfer.get_cached(shards[1]["rows"][0])  # a sample of another shard
     with pytest.raises(DamagedShard, match=rf"{entry.name}: checksum .* of sample \d+ .* differs"):
         transfer.get_cached(shards[0]["rows"][1] - 1)  # the damaged shard's last sample
+
+
+@pytest.mark.parametrize("mode", ["copy", "reference"])
+def test_a_shard_missing_from_the_source_is_named_with_the_remedy(
+    two_indexes: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str
+) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(two_indexes, src)
+    entry = read_manifest(src / "index-00001").shards[1]  # type: ignore[union-attr]
+    shard = src / "index-00001" / entry.name
+    kept = shard.rename(tmp_path / entry.name)
+    dest = tmp_path / "dest"
+    capsys.readouterr()
+    assert export(src, dest, "--hidden-states", mode) == EXIT_CONFIG  # was 1, "a rerun resumes"
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: export SRC: {shard}: listed in index-00001/manifest.json but missing")
+    assert "output.on_damaged_shard=reextract" in err and "restore it" in err and "export again" in err
+    assert len(err.splitlines()) == 1
+    assert not dest.exists()  # found before anything was written
+    kept.rename(shard)  # restored: the same command succeeds
+    assert export(src, dest, "--hidden-states", mode) == 0
+    assert json.loads((dest / METADATA).read_text())["rows"] == len(samples(two_indexes))
+
+
+# The export killed (SIGKILL) as it is about to write row 5's hidden states.
+KILL_AT_ROW_5 = """
+import os, pathlib, signal
+_write_bytes = pathlib.Path.write_bytes
+def write_bytes(self, data):
+    if self.name == "hs_5.safetensors":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _write_bytes(self, data)
+pathlib.Path.write_bytes = write_bytes
+"""
+
+
+def test_an_export_killed_midway_is_replaced_by_the_same_command(
+    two_indexes: Path,
+    exported: Path,
+    job_env: dict[str, str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    dest = tmp_path / "spec"
+    command = ["-m", "job", "export", "--format", "speculators", str(two_indexes), str(dest)]
+    env = {**job_env, "PYTHONPATH": with_sitecustomize(tmp_path / "site", KILL_AT_ROW_5)}
+    killed = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr
+    left = {p.name for p in dest.iterdir()}
+    assert left == {UNFINISHED, "hidden_states", ".staging"} and not (dest / METADATA).exists()
+    assert sorted(p.name for p in (dest / "hidden_states").iterdir()) == [
+        f"hs_{i}.safetensors" for i in range(5)
+    ]
+
+    capsys.readouterr()
+    assert export(two_indexes, dest) == 0
+    assert f"{dest} held an unfinished export ({UNFINISHED}): replaced" in capsys.readouterr().out
+    assert_same_export(dest, exported)
+    assert export(two_indexes, dest) == EXIT_CONFIG  # a finished export is never replaced
+    assert "not an empty directory" in capsys.readouterr().err
+
+
+def assert_same_export(dest: Path, reference: Path) -> None:
+    """``dest`` holds what ``reference`` (an export of the same output) holds: the same files, the
+    same hidden states byte for byte, the same rows."""
+    from datasets import load_from_disk
+
+    assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in reference.iterdir())
+    names = sorted(p.name for p in (reference / "hidden_states").iterdir())
+    assert sorted(p.name for p in (dest / "hidden_states").iterdir()) == names
+    for name in names:
+        assert (dest / "hidden_states" / name).read_bytes() == (
+            reference / "hidden_states" / name
+        ).read_bytes()
+    rows = load_from_disk(str(dest)).with_format(None).to_dict()
+    assert rows == load_from_disk(str(reference)).with_format(None).to_dict()
+    meta, theirs = (json.loads((d / METADATA).read_text()) for d in (dest, reference))
+    assert meta["rows"] == theirs["rows"] and meta["source"] == theirs["source"]
+
+
+# Inside a mount namespace: a tmpfs nearly filled by another file, an export onto it, what is left
+# there; then the other file removed (room made) and the same export again. Each step's stdout,
+# stderr and exit code are files in $LOGS.
+FULL_DISK_EXPORT = """
+mount -t tmpfs -o size="$DISK_BYTES" tmpfs "$DISK" || exit 99
+head -c "$FILLER_BYTES" /dev/zero >"$DISK/other" || exit 98
+step() {
+    name=$1; shift
+    "$PYTHON" -m job "$@" >"$LOGS/$name.out" 2>"$LOGS/$name.err"; echo $? >"$LOGS/$name.rc"
+}
+step full export --format speculators "$SRC" "$DISK/spec"
+ls -A "$DISK" >"$LOGS/after-full.ls"
+rm "$DISK/other"
+step rerun export --format speculators "$SRC" "$DISK/spec"
+cp -r "$DISK/spec" "$LOGS/spec"
+"""
+
+
+def test_an_export_onto_a_full_disk_is_an_error_and_the_same_command_succeeds_with_room(
+    two_indexes: Path, exported: Path, job_env: dict[str, str], tmp_path: Path
+) -> None:
+    prefix = mount_namespace()
+    if not prefix:
+        pytest.skip("no mount namespace (unshare --mount) for a private tmpfs here")
+    needed = sum(p.stat().st_size for p in exported.rglob("*") if p.is_file())
+    disk, logs = tmp_path / "disk", tmp_path / "logs"
+    disk.mkdir()
+    logs.mkdir()
+    env = {
+        **job_env,
+        "DISK": str(disk),
+        "LOGS": str(logs),
+        "SRC": str(two_indexes),
+        "PYTHON": sys.executable,
+        # room for about half of the export until the other file goes
+        "DISK_BYTES": str(2 * needed + 2**20),
+        "FILLER_BYTES": str(2 * needed + 2**20 - needed // 2),
+    }
+    proc = subprocess.run(
+        [*prefix, "sh", "-c", FULL_DISK_EXPORT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+
+    def step(name: str) -> tuple[int, str, str]:
+        rc, out, err = ((logs / f"{name}.{kind}").read_text() for kind in ("rc", "out", "err"))
+        return int(rc), out, err
+
+    rc, out, err = step("full")
+    assert rc == 1 and out == "", err  # a retry may succeed: exit 1, as for a run's full disk
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    line = err.strip()
+    assert line.startswith(f"error: export DST {disk}/spec: out of space (No space left on device) after ")
+    assert "the unfinished export was removed: free space there and run the same command again" in line
+    done = int(line.split(" after ")[1].split(" of ")[0])
+    assert 0 < done < len(samples(two_indexes))  # it failed midway
+    assert (logs / "after-full.ls").read_text().split() == ["other"]  # nothing of the export is left
+
+    rc, out, err = step("rerun")
+    assert rc == 0, err
+    assert out.startswith(f"exported         {len(samples(two_indexes))} samples")
+    assert_same_export(logs / "spec", exported)
 
 
 def test_export_refuses_bad_arguments(

@@ -19,9 +19,9 @@ Cases (``python -m job`` in a subprocess unless said otherwise):
 * a committed shard damaged, truncated or missing on resume, of an interrupted or a complete
   index: exit 2 naming it and output.on_damaged_shard=reextract; with reextract, its samples are
   extracted again;
-* reading damaged output: iter_output raises DamagedShard (verify=False reads it), compare and
-  export --verify end with an error line and exit 1; compare refuses a --tolerance that is nan or
-  negative (exit 2);
+* reading damaged output: iter_output raises DamagedShard (verify=False reads it), compare ends
+  with an error line and exit 1, export --verify with exit 2 (the remedy named, nothing left in DST);
+  compare refuses a --tolerance that is nan or negative (exit 2);
 * the command line: --version, a --help per command, an unknown command (exit 2, the commands
   listed), a reader of stdout that went away (exit 141);
 * an unexpected exception (an activation transformers lacks) with --log.format=console: the traceback is
@@ -37,19 +37,16 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
-from functools import cache
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NO_VLLM, VLLM_CPU_ENV, hide_vllm, needs_vllm
+from conftest import NO_VLLM, VLLM_CPU_ENV, hide_vllm, mount_namespace, needs_vllm
 
 from job.checksum import crc64nvme_file
 from job.errors import DamagedShard
-from job.export import METADATA
 from job.manifest import Manifest
 from job.shards import iter_output, open_shard, read_manifest
 
@@ -366,19 +363,6 @@ def test_cuda_device_without_a_gpu(
 # --- a full disk ---------------------------------------------------------------------------------
 
 
-@cache
-def _mount_namespace() -> tuple[str, ...]:
-    """A prefix that runs a command in its own mount namespace, where it may mount a tmpfs, or ()."""
-    if shutil.which("unshare") is None:
-        return ()
-    for prefix in (("unshare", "--mount"), ("unshare", "--user", "--map-root-user", "--mount")):
-        with tempfile.TemporaryDirectory() as directory:
-            probe = [*prefix, "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {directory}"]
-            if subprocess.run(probe, capture_output=True).returncode == 0:
-                return prefix
-    return ()
-
-
 # Inside the namespace: run onto a 3 MiB tmpfs, inspect --verify what is there, keep a copy; then
 # give the disk room (remount) and run again. Each step's stdout, stderr and exit code are files.
 FULL_DISK_SCRIPT = """
@@ -401,7 +385,7 @@ def test_disk_full_is_an_error_and_committed_shards_survive(
 ) -> None:
     """Before row writes waited for a shard's blocks to be reserved, the page fault on the full
     tmpfs killed the job with SIGBUS (exit 135) and an unlisted, half-written shard."""
-    prefix = _mount_namespace()
+    prefix = mount_namespace()
     if not prefix:
         pytest.skip("no mount namespace (unshare --mount) for a private tmpfs here")
     ids = [f"s{i:03d}" for i in range(40)]
@@ -775,8 +759,15 @@ def test_export_verify_with_a_damaged_shard(
     src, name = damaged_copy
     dest = src.parent / "export"
     result = run_job("export", "--format", "speculators", str(src), str(dest), "--verify")
-    error_line(result, 1, f"{name}: checksum", "differs from the manifest's", "the shard is damaged")
-    assert not (dest / METADATA).exists()  # an export without its metadata file is unfinished
+    error_line(
+        result,
+        2,
+        f"{name}: checksum",
+        "differs from the manifest's",
+        "on_damaged_shard=reextract",
+        "export again",
+    )
+    assert not dest.exists()  # the unfinished export was removed
 
 
 # --- the command line -------------------------------------------------------------------------------
