@@ -36,10 +36,12 @@ that joins tool call ``arguments`` as a string (DeepSeek-V3.1's) gets them as th
 record's JSON text.
 
 A template that drops a record's tool calls, tool definitions or tool results
-from the text (one written for plain chat) rejects the sample instead of
-silently training on half of it. One that drops part of an assistant's content
-(a literal ``</think>`` in an earlier answer, read as the end of its reasoning)
-writes the sample as rendered with the TEXT_DROPPED warning.
+from the text (one written for plain chat, or DeepSeek-V3.1's, which takes no
+``tools=``) rejects the sample instead of silently training on half of it; a
+definition counts as rendered where its name is outside the assistant's turns.
+One that drops part of an assistant's content (a literal ``</think>`` in an
+earlier answer, read as the end of its reasoning) writes the sample as rendered
+with the TEXT_DROPPED warning.
 
 Memory: the tokenizer sees at most ``max_length * L + GUARD`` characters of
 the rendered text, L being the longest token of the vocabulary in characters
@@ -1088,7 +1090,9 @@ def _opened_before(text: str, end: int) -> bool:
 def _check_tools_rendered(
     conv: Conversation, full: str, spans: list[Span], located: dict[int, Span] | None
 ) -> None:
-    """Reject a conversation whose tool parts the template left out of the text.
+    """Reject a conversation whose tool parts the template left out of the text: a tool call
+    missing from its turn, a tool result from the text, a tool definition's name from the text
+    outside the assistant's turns (``spans``).
 
     ``located``: each assistant message's span where known (rendered-turns); a message
     without one lies beyond what the tokenizer sees and is not checked."""
@@ -1112,11 +1116,19 @@ def _check_tools_rendered(
                     f"the chat template left out the tool result of message {i}: it does not support "
                     "tool messages; set data.chat_template to one that does"
                 )
-    missing = [t["function"]["name"] for t in conv.tools or () if t["function"]["name"] not in full]
+    # A tool's name in a call the assistant makes is no definition: look outside the turns.
+    outside, at = [], 0
+    for a, b in sorted(spans):
+        outside.append(full[at:a])
+        at = max(at, b)
+    text = "\0".join([*outside, full[at:]])
+    missing = [name for t in conv.tools or () if (name := t["function"]["name"]) not in text]
     if missing:
         raise SampleRejected(
             f"the chat template did not render the tool definitions ({', '.join(missing)}): it ignores "
-            "tools; set data.chat_template to one that renders them"
+            "the record's tools; set data.chat_template to one that renders them (the template the model "
+            "is served with tools), or describe the tools in the system message (where a model whose "
+            "template takes none, as DeepSeek-V3.1's, expects them)"
         )
 
 
