@@ -674,9 +674,8 @@ def test_reference_backend_refuses_what_it_cannot_read(
     name = manifest["shards"][0]["name"]
     manifest["shards"][0]["checksum"]["value"] = "AAAAAAAAAAA="
     manifest_path.write_text(json.dumps(manifest))
-    transfer = reference_transfer(referenced, eagle3_extract_source=str(moved))
     with pytest.raises(DamagedShard, match=rf"index-00001/{name}: exported with checksum .* export it again"):
-        transfer.get_cached(0)
+        reference_transfer(referenced, eagle3_extract_source=str(moved))  # before training starts
 
     # a flipped byte in a sample's rows: its CRC64NVME is checked before it is handed out
     damaged = tmp_path / "damaged"
@@ -693,3 +692,76 @@ def test_reference_backend_refuses_what_it_cannot_read(
         referenced, eagle3_extract_source=str(damaged), eagle3_extract_verify="off"
     )
     assert unchecked.get_cached(0)["token_ids"].numel() > 0
+
+
+CPU_TRAINING = [
+    *("--draft-attn-impl", "sdpa", "--loss-implementation", "eager"),
+    *("--epochs", "1", "--max-steps", "1", "--total-seq-len", "256"),
+]
+
+
+def launch(program: list[str], args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*program, *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def assert_job_error_last(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """Exit 2, and the job's one error line last on stderr, after no traceback."""
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and all(n in line for n in needles), line
+    return line
+
+
+def test_the_launcher_ends_a_moved_output_with_the_flag_to_pass(
+    two_indexes: Path, job_env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m job.speculators`` itself (it fails before speculators' trainer needs CUDA): the
+    error used to come last in a speculators traceback, naming --eagle3-extract-source as if
+    it had been passed."""
+    speculators("speculators.train.trainer")
+    output, moved = tmp_path / "out", tmp_path / "moved"
+    shutil.copytree(two_indexes, output)
+    line = shlex.split(export_printing(output, tmp_path / "ref", capsys, "--hidden-states", "reference"))
+    args = [*line[line.index("train") :], "--num-workers", "0", "--save-path", str(tmp_path / "ckpt")]
+    output.rename(moved)
+    proc = launch([sys.executable, "-m", "job.speculators"], args, job_env)
+    assert_job_error_last(
+        proc,
+        f"the shards' output ({tmp_path / 'ref'}/eagle3_extract.json: source.location)",
+        f"{output}: does not exist",
+        "if the output moved, pass --eagle3-extract-source with where it is now",
+    )
+    # passed, on the CPU: one step of training from the moved output
+    cpu = [sys.executable, str(Path(__file__).parent / "speculators_cpu.py")]
+    proc = launch(cpu, [*args, "--eagle3-extract-source", str(moved), *CPU_TRAINING], job_env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (tmp_path / "ckpt" / "0").is_dir()
+
+
+def test_the_launcher_ends_a_damaged_shard_with_its_error_line(
+    two_indexes: Path, referenced: Path, job_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A sample read in a (spawned) DataLoader worker: its checksum fails there, and the launcher
+    prints that error, not the worker's traceback wrapped in speculators'."""
+    speculators("speculators.train.trainer")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(two_indexes, damaged)
+    for index in ("index-00000", "index-00001"):  # every shard: the first sample read is a damaged one
+        for entry in read_manifest(damaged / index).shards:  # type: ignore[union-attr]
+            with (damaged / index / entry.name).open("r+b") as f:
+                f.seek(entry.bytes // 2)
+                byte = f.read(1)
+                f.seek(entry.bytes // 2)
+                f.write(bytes([byte[0] ^ 1]))
+    metadata = json.loads((referenced / METADATA).read_text())
+    args = [
+        "train",
+        *("--verifier-name-or-path", metadata["model"]["path"], "--data-path", str(referenced)),
+        *("--target-layer-ids", *map(str, metadata["layers"]["speculators"]["target_layer_ids"])),
+        *("--hidden-states-backend", "eagle3-extract", "--eagle3-extract-source", str(damaged)),
+        *("--num-workers", "1", "--save-path", str(tmp_path / "ckpt"), *CPU_TRAINING),
+    ]
+    proc = launch([sys.executable, str(Path(__file__).parent / "speculators_cpu.py")], args, job_env)
+    line = assert_job_error_last(proc, f"{damaged}/index-0000", ": checksum ", "differs from the manifest's")
+    assert "on_damaged_shard=reextract" in line and "DataLoader worker" not in line
