@@ -14,7 +14,8 @@ the CPU (``tests/speculators_cpu.py`` replaces only the trainer's CUDA device ch
 
 speculators is installed without its dependencies (they would replace torch and
 transformers): ``pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0``
-plus ``datasets`` and ``openai``, which its data modules import.
+plus its other requirements but torchvision and torchaudio (docs/speculators.md has
+the line; the CI venvs list ``datasets`` and ``openai``, vLLM brings the rest).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def fp8_reordered(inprocess_env: None, tmp_path_factory: pytest.TempPathFactory)
 
 
 def speculators(module: str) -> Any:
-    return pytest.importorskip(module, reason="pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0")
+    return pytest.importorskip(module, reason="speculators 0.9.0 is not installed (docs/speculators.md)")
 
 
 def samples(out: Path) -> list[Sample]:
