@@ -21,6 +21,7 @@ the line; the CI venvs list ``datasets`` and ``openai``, vLLM brings the rest).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib
 import itertools
 import json
@@ -362,6 +363,20 @@ def test_an_export_killed_midway_is_replaced_by_the_same_command(
     assert_same_export(dest, exported)
     assert export(two_indexes, dest) == EXIT_CONFIG  # a finished export is never replaced
     assert "not an empty directory" in capsys.readouterr().err
+
+
+def test_an_export_another_export_is_writing_is_left_alone(
+    two_indexes: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dest = tmp_path / "spec"
+    dest.mkdir()
+    (dest / "hidden_states").mkdir()
+    with (dest / UNFINISHED).open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as the export writing it holds it
+        capsys.readouterr()
+        assert export(two_indexes, dest) == EXIT_CONFIG
+        assert f"export DST {dest}: another export is writing it" in capsys.readouterr().err
+        assert sorted(p.name for p in dest.iterdir()) == [UNFINISHED, "hidden_states"]
 
 
 def assert_same_export(dest: Path, reference: Path) -> None:
