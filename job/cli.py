@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -17,7 +18,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from job.errors import EXIT_FAILURE, EXIT_OK, ConfigError, JobError
+from job.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, ConfigError, JobError
 from job.logs import configure_logging, get_logger, scrubber
 from job.pipeline.stop import exit_on_stop_signal
 from job.settings import JobSettings, load_settings, redact, settings_dump
@@ -59,6 +60,17 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message}; usage: {usage} (--help says more)")
 
 
+def _tolerance(text: str) -> float:
+    """``compare --tolerance``: a relative error of 0 or more (nan would fail every comparison)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:  # also false for nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a relative error of 0 or more (e.g. 0.02)")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m job",
@@ -81,7 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     compare = commands.add_parser("compare", help=COMMANDS["compare"], description=COMMANDS["compare"])
     compare.add_argument("path", help="the candidate output (a directory or s3://bucket/prefix)")
     compare.add_argument("--reference", required=True, help="the reference output (a directory or s3://...)")
-    compare.add_argument("--tolerance", type=float, default=2e-2, help="max relative error (default 0.02)")
+    compare.add_argument(
+        "--tolerance", type=_tolerance, default=2e-2, help="max relative error (default 0.02)"
+    )
     export = commands.add_parser(
         "export",
         help=COMMANDS["export"],
@@ -115,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        print(error_line(ConfigError(_unknown_command(argv[0]))), file=sys.stderr)
+        return EXIT_CONFIG
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version")):
         argv.insert(0, "run")
     try:
@@ -123,6 +140,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader of our stdout went away (`inspect ... | head`): nothing left to say to it.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+
+
+def _unknown_command(word: str) -> str:
+    commands = ", ".join(f"{name} (the default)" if name == "run" else name for name in COMMANDS)
+    return (
+        f"unknown command {word!r}; the commands are {commands} (python -m job COMMAND --help); "
+        "settings are given as --section.key=value"
+    )
 
 
 def _dispatch(argv: list[str]) -> int:

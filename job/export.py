@@ -32,6 +32,10 @@ backend reads.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import fcntl
+import io
 import json
 import os
 import shlex
@@ -39,6 +43,7 @@ import shutil
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
@@ -47,10 +52,10 @@ from typing import Any
 
 import pyarrow as pa
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 from tqdm import tqdm
 
-from job.errors import ConfigError, JobError
+from job.errors import ConfigError, DamagedShard, OutOfSpace
 from job.hidden_dtype import hidden_dtype
 from job.layout import MANIFEST, SPECULATORS_BACKEND, SPECULATORS_EXPORT_RECORD, index_dir_name
 from job.manifest import Manifest, ShardEntry
@@ -69,6 +74,9 @@ BACKEND_NAME = SPECULATORS_BACKEND  # registered by job.speculators
 METADATA = SPECULATORS_EXPORT_RECORD
 HIDDEN_STATES_DIR = "hidden_states"
 TOKEN_FREQ = "token_freq.pt"
+# In DST from its claim until METADATA is written: with no METADATA beside it, an unfinished export
+# (one killed before it could remove its files), which the next export into DST replaces.
+UNFINISHED = "eagle3_extract.unfinished"
 SPECULATORS_VERIFIED = "0.9.0"  # the release the tests load exports with
 
 _ROWS = pa.schema(
@@ -144,6 +152,7 @@ class ExportSummary:
     hidden_dtype: str
     model_path: str
     hidden_states: str  # one of HIDDEN_STATES_MODES
+    replaced_unfinished: bool = False  # DST held an unfinished export, whose files were removed first
 
     def train_command(self) -> list[str]:
         """The command that trains on this export, as speculators' parser takes it: the
@@ -172,6 +181,11 @@ class ExportSummary:
                 f"hidden states    {where}: layers {layers.exported}{note}, {self.hidden_dtype}, "
                 f"last = verifier (layer {layers.num_layers}, before the final norm)",
                 f"train with       {shlex.join(self.train_command())}",
+                *(
+                    [f"note             {self.dest} held an unfinished export ({UNFINISHED}): replaced"]
+                    if self.replaced_unfinished
+                    else []
+                ),
                 *(
                     [f"note             {self.rows_without_assistant_tokens} rows have no assistant tokens"]
                     if self.rows_without_assistant_tokens
@@ -213,17 +227,57 @@ def export_speculators(
     verify: bool = False,
 ) -> ExportSummary:
     """Write the export: with ``reader``, a reference export, whose samples' token ids and loss masks
-    come through ``reader`` (rows unread unless ``verify``), else every sample copied whole."""
+    come through ``reader`` (rows unread unless ``verify``), else every sample copied whole.
+
+    A failure leaves DST as it was (an export's files removed), so the same command can run again:
+    a full disk is an OutOfSpace error saying how far the export got; a shard that is missing or
+    damaged in SRC, a DamagedShard with exit 2 (an export again cannot mend it) and the remedy."""
     datasets = _import_datasets()
     indexes = _usable_indexes(source, allow_incomplete)
-    reference = indexes[0].manifest
     entries = [(index.name, entry) for index in indexes for entry in index.manifest.shards]
-    first_shard = _shard_metadata(source, *entries[0])
-    num_layers = int(first_shard["num_model_layers"])
-    hidden_dtype = first_shard["model_dtype"]
-    layers = order_layers(reference.identity.layer_ids, num_layers)
+    try:
+        for index_name, entry in entries:  # before anything is written: a stat or a listing each
+            source.check(index_name, entry, checksum=False)
+        first_shard = _shard_metadata(source, *entries[0])
+    except DamagedShard as exc:
+        raise _unusable_source(exc) from None
+    layers = order_layers(indexes[0].manifest.identity.layer_ids, int(first_shard["num_model_layers"]))
+    progress = _Progress(sum(e.num_samples for _, e in entries))
+    with _claimed(dest) as replaced_unfinished:
+        try:
+            summary = _write(
+                datasets, source, dest, indexes, entries, layers, first_shard, reader, verify, progress
+            )
+        except DamagedShard as exc:
+            raise _unusable_source(exc) from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise OutOfSpace(
+                f"export DST {dest}: out of space ({os.strerror(exc.errno)}) after {progress.done} of "
+                f"{progress.total} samples; the unfinished export was removed: free space there and run the "
+                "same command again"
+            ) from None
+        finally:
+            progress.close()
+    return dataclasses.replace(summary, replaced_unfinished=replaced_unfinished)
 
-    _claim_dest(dest)
+
+def _write(
+    datasets: Any,
+    source: ShardSource,
+    dest: Path,
+    indexes: list[_Index],
+    entries: list[tuple[str, ShardEntry]],
+    layers: LayerOrder,
+    first_shard: dict[str, str],
+    reader: OutputReader | None,
+    verify: bool,
+    progress: _Progress,
+) -> ExportSummary:
+    """The export's files in claimed, empty ``dest``, METADATA last. Files are written from bytes
+    in memory (one sample's at most), so that a full disk is an OSError with its errno."""
+    reference = indexes[0].manifest
     hidden_dir = dest / HIDDEN_STATES_DIR
     if reader is None:
         hidden_dir.mkdir()
@@ -233,9 +287,6 @@ def export_speculators(
     token_freq: Counter[int] = Counter()
     row = tokens = assistant = unsupervised = 0
     row_ranges: dict[tuple[str, str], list[int]] = {}
-    progress = tqdm(
-        total=sum(e.num_samples for _, e in entries), unit="sample", disable=not sys.stderr.isatty()
-    )
     with pa.OSFile(str(rows_file), "wb") as sink, pa.ipc.new_stream(sink, _ROWS) as writer:
         batch = _RowBatch()
         for index_name, entry in entries:
@@ -248,7 +299,7 @@ def export_speculators(
                 ids, mask = input_ids.long(), loss_mask.long()
                 if states is not None:
                     hs_file = hidden_dir / f"hs_{row}.safetensors"
-                    save_file({"hidden_states": states, "token_ids": ids}, str(hs_file))
+                    hs_file.write_bytes(safetensors_bytes({"hidden_states": states, "token_ids": ids}))
                 targets = ids[mask.bool()]
                 token_freq.update(targets.tolist())
                 batch.add(ids, mask, sample_id)
@@ -258,25 +309,50 @@ def export_speculators(
                 tokens += len(ids)
                 assistant += len(targets)
                 unsupervised += not len(targets)
-                progress.update()
+                progress.advance()
             row_ranges[(index_name, entry.name)] = [first_row, row]
         if len(batch):
             writer.write_batch(batch.take())
-    progress.close()
 
     datasets.disable_progress_bars()  # a CLI command: one summary, not a bar per internal step
     dataset = datasets.Dataset.from_file(str(rows_file)).with_format("torch")
     dataset.save_to_disk(str(dest))
     del dataset
     shutil.rmtree(staging)
-    torch.save(dict(token_freq), dest / TOKEN_FREQ)
+    frequencies = io.BytesIO()
+    torch.save(dict(token_freq), frequencies)
+    (dest / TOKEN_FREQ).write_bytes(frequencies.getbuffer())
 
     mode = "copy" if reader is None else "reference"
     summary = ExportSummary(
-        dest, row, tokens, assistant, unsupervised, layers, hidden_dtype, reference.model_path, mode
+        dest,
+        row,
+        tokens,
+        assistant,
+        unsupervised,
+        layers,
+        first_shard["model_dtype"],
+        reference.model_path,
+        mode,
     )
     _write_metadata(summary, reference, indexes, row_ranges, _absolute(source.location))
     return summary
+
+
+class _Progress:
+    """How many samples are exported, shown as a bar where stderr is a terminal."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+        self._bar = tqdm(total=total, unit="sample", disable=not sys.stderr.isatty())
+
+    def advance(self) -> None:
+        self.done += 1
+        self._bar.update()
+
+    def close(self) -> None:
+        self._bar.close()
 
 
 _Exported = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]  # id, ids, mask, states to copy
@@ -348,7 +424,7 @@ def _shard_metadata(source: ShardSource, index: str, entry: ShardEntry) -> dict[
         try:
             return read_metadata(stream, where)
         except ValueError as exc:
-            raise JobError(str(exc)) from None
+            raise DamagedShard(str(exc)) from None
 
 
 def _import_datasets() -> Any:
@@ -418,23 +494,78 @@ def _usable_indexes(source: ShardSource, allow_incomplete: bool) -> list[_Index]
 def _check_shard(shard: Shard | ShardRows, entry: ShardEntry, layers: LayerOrder, index: str) -> None:
     where = f"{index}/{entry.name}"
     if shard.layer_ids != layers.stored or int(shard.metadata["num_model_layers"]) != layers.num_layers:
-        raise JobError(
+        raise DamagedShard(
             f"{where}: layers {shard.layer_ids} of {shard.metadata['num_model_layers']} differ from the "
             f"manifest's {layers.stored} of {layers.num_layers}"
         )
     if shard.sample_ids != entry.sample_ids:
-        raise JobError(f"{where}: its samples differ from those its manifest lists; the index is damaged")
+        raise DamagedShard(f"{where}: its samples differ from those its manifest lists; the index is damaged")
 
 
-def _claim_dest(dest: Path) -> None:
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+_REEXTRACT = (
+    "restore it, or rerun that index of the job with output.verify_on_resume=checksum and "
+    "output.on_damaged_shard=reextract (it extracts the shard's samples again)"
+)
+
+
+def _unusable_source(exc: DamagedShard) -> ConfigError:
+    """A shard of SRC missing or damaged: exit 2 (exporting again cannot mend it), with the remedy."""
+    remedy = "" if "on_damaged_shard=reextract" in str(exc) else f": {_REEXTRACT}"
+    return ConfigError(f"export SRC: {exc}{remedy}; then export again")
+
+
+@contextmanager
+def _claimed(dest: Path) -> Iterator[bool]:
+    """DST for one export, held (a lock on its UNFINISHED marker) until the context ends: a new or
+    empty directory, or an unfinished export's, whose files are removed first (yields whether there
+    were any). If the context ends in an exception, the export's files are removed again (DST itself
+    too, where the export created it)."""
+    created = not dest.exists()
+    marker = dest / UNFINISHED
+    unfinished = not created and marker.is_file() and not (dest / METADATA).exists()
+    if not (created or unfinished) and (not dest.is_dir() or any(dest.iterdir())):
         raise ConfigError(
             f"export DST {dest}: exists and is not an empty directory; an export never overwrites"
         )
     try:
         dest.mkdir(parents=True, exist_ok=True)
+        lock = marker.open("a")
     except OSError as exc:
         raise ConfigError(f"export DST {dest}: cannot create it: {exc.strerror}") from None
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"export DST {dest}: another export is writing it") from None
+        if unfinished:
+            _remove_contents(dest, keep=UNFINISHED)
+        lock.truncate(0)  # append mode: what follows is the whole file
+        lock.write(
+            "an export in progress, or one that did not finish: python -m job export into this "
+            "directory replaces it\n"
+        )
+        lock.flush()
+        try:
+            yield unfinished
+        except BaseException:
+            if created:
+                shutil.rmtree(dest, ignore_errors=True)
+            else:
+                _remove_contents(dest)
+            raise
+        marker.unlink()
+    finally:
+        lock.close()
+
+
+def _remove_contents(directory: Path, keep: str | None = None) -> None:
+    for path in directory.iterdir():
+        if path.name == keep:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _absolute(location: str) -> str:

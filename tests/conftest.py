@@ -9,6 +9,7 @@
 * ``job_torch_threads``: in-process torch at the subprocesses' thread count (exact compares).
 * ``write_jsonl`` / ``write_parquet`` / ``read_jsonl``: data set and output files.
 * ``hide_vllm``: a PYTHONPATH under which vLLM cannot be imported (``with_sitecustomize``).
+* ``mount_namespace()``: a command prefix under which a tmpfs may be mounted (a small disk to fill).
 * ``vllm_job_env`` / ``run_vllm_job``: a ``python -m job run`` on vLLM's CPU build.
 
 Which tests cover which module (a change to the module runs these first):
@@ -69,10 +70,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +149,20 @@ def with_sitecustomize(site: Path, source: str) -> str:
 def hide_vllm(directory: Path, how: str = "refused") -> str:
     """A PYTHONPATH under which ``import vllm`` fails the ``NO_VLLM[how]`` way (a sitecustomize)."""
     return with_sitecustomize(directory / f"no-vllm-{how}", NO_VLLM[how])
+
+
+@cache
+def mount_namespace() -> tuple[str, ...]:
+    """A prefix that runs a command in its own mount namespace, where it may mount a tmpfs (a small
+    disk to fill), or () where this machine allows none."""
+    if shutil.which("unshare") is None:
+        return ()
+    for prefix in (("unshare", "--mount"), ("unshare", "--user", "--map-root-user", "--mount")):
+        with tempfile.TemporaryDirectory() as directory:
+            probe = [*prefix, "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {directory}"]
+            if subprocess.run(probe, capture_output=True).returncode == 0:
+                return prefix
+    return ()
 
 
 # Settings that make a CPU run as cheap as it gets without changing what is tested:

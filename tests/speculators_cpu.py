@@ -59,7 +59,7 @@ def _on_cpu() -> None:
 
 if __name__ == "__main__":
     _on_cpu()
-    from speculators.cli import app
+    from job.speculators.__main__ import main
 
     sys.argv[0] = "speculators_cpu"
-    app(prog_name="python tests/speculators_cpu.py")
+    main(prog_name="python tests/speculators_cpu.py")

@@ -14,12 +14,14 @@ the CPU (``tests/speculators_cpu.py`` replaces only the trainer's CUDA device ch
 
 speculators is installed without its dependencies (they would replace torch and
 transformers): ``pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0``
-plus ``datasets`` and ``openai``, which its data modules import.
+plus its other requirements but torchvision and torchaudio (docs/speculators.md has
+the line; the CI venvs list ``datasets`` and ``openai``, vLLM brings the rest).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib
 import itertools
 import json
@@ -34,11 +36,12 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import mount_namespace, with_sitecustomize
 from safetensors.torch import load_file
 
 from job.cli import main
-from job.errors import EXIT_CONFIG, EXIT_FAILURE, ConfigError, DamagedShard
-from job.export import METADATA, order_layers
+from job.errors import EXIT_CONFIG, ConfigError, DamagedShard
+from job.export import METADATA, UNFINISHED, order_layers
 from job.shards import Sample, iter_output, read_manifest
 
 N = 8  # builtin:tiny-llama's decoder layers
@@ -112,7 +115,7 @@ def fp8_reordered(inprocess_env: None, tmp_path_factory: pytest.TempPathFactory)
 
 
 def speculators(module: str) -> Any:
-    return pytest.importorskip(module, reason="pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0")
+    return pytest.importorskip(module, reason="speculators 0.9.0 is not installed (docs/speculators.md)")
 
 
 def samples(out: Path) -> list[Sample]:
@@ -286,17 +289,175 @@ def test_export_verify_catches_a_damaged_shard(two_indexes: Path, tmp_path: Path
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 1]))
     assert export(src, tmp_path / "unverified") == 0
-    assert export(src, tmp_path / "verified", "--verify") == EXIT_FAILURE
+    # exit 2: exporting again cannot mend the shard; the unfinished export is removed
+    assert export(src, tmp_path / "verified", "--verify") == EXIT_CONFIG
+    assert not (tmp_path / "verified").exists()
     # a reference export reads the ids and masks alone: --verify reads each sample through its
     # checksum; without it, training does, and stops at the damaged sample naming it
     reference = ("--hidden-states", "reference")
-    assert export(src, tmp_path / "reference-verified", *reference, "--verify") == EXIT_FAILURE
+    assert export(src, tmp_path / "reference-verified", *reference, "--verify") == EXIT_CONFIG
+    assert not (tmp_path / "reference-verified").exists()
     assert export(src, tmp_path / "reference", *reference) == 0
     shards = json.loads((tmp_path / "reference" / METADATA).read_text())["source"]["indexes"][0]["shards"]
     transfer = reference_transfer(tmp_path / "reference")
     transfer.get_cached(shards[1]["rows"][0])  # a sample of another shard
     with pytest.raises(DamagedShard, match=rf"{entry.name}: checksum .* of sample \d+ .* differs"):
         transfer.get_cached(shards[0]["rows"][1] - 1)  # the damaged shard's last sample
+
+
+@pytest.mark.parametrize("mode", ["copy", "reference"])
+def test_a_shard_missing_from_the_source_is_named_with_the_remedy(
+    two_indexes: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str
+) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(two_indexes, src)
+    entry = read_manifest(src / "index-00001").shards[1]  # type: ignore[union-attr]
+    shard = src / "index-00001" / entry.name
+    kept = shard.rename(tmp_path / entry.name)
+    dest = tmp_path / "dest"
+    capsys.readouterr()
+    assert export(src, dest, "--hidden-states", mode) == EXIT_CONFIG  # was 1, "a rerun resumes"
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: export SRC: {shard}: listed in index-00001/manifest.json but missing")
+    assert "output.on_damaged_shard=reextract" in err and "restore it" in err and "export again" in err
+    assert len(err.splitlines()) == 1
+    assert not dest.exists()  # found before anything was written
+    kept.rename(shard)  # restored: the same command succeeds
+    assert export(src, dest, "--hidden-states", mode) == 0
+    assert json.loads((dest / METADATA).read_text())["rows"] == len(samples(two_indexes))
+
+
+# The export killed (SIGKILL) as it is about to write row 5's hidden states.
+KILL_AT_ROW_5 = """
+import os, pathlib, signal
+_write_bytes = pathlib.Path.write_bytes
+def write_bytes(self, data):
+    if self.name == "hs_5.safetensors":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _write_bytes(self, data)
+pathlib.Path.write_bytes = write_bytes
+"""
+
+
+def test_an_export_killed_midway_is_replaced_by_the_same_command(
+    two_indexes: Path,
+    exported: Path,
+    job_env: dict[str, str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    dest = tmp_path / "spec"
+    command = ["-m", "job", "export", "--format", "speculators", str(two_indexes), str(dest)]
+    env = {**job_env, "PYTHONPATH": with_sitecustomize(tmp_path / "site", KILL_AT_ROW_5)}
+    killed = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr
+    left = {p.name for p in dest.iterdir()}
+    assert left == {UNFINISHED, "hidden_states", ".staging"} and not (dest / METADATA).exists()
+    assert sorted(p.name for p in (dest / "hidden_states").iterdir()) == [
+        f"hs_{i}.safetensors" for i in range(5)
+    ]
+
+    capsys.readouterr()
+    assert export(two_indexes, dest) == 0
+    assert f"{dest} held an unfinished export ({UNFINISHED}): replaced" in capsys.readouterr().out
+    assert_same_export(dest, exported)
+    assert export(two_indexes, dest) == EXIT_CONFIG  # a finished export is never replaced
+    assert "not an empty directory" in capsys.readouterr().err
+
+
+def test_an_export_another_export_is_writing_is_left_alone(
+    two_indexes: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dest = tmp_path / "spec"
+    dest.mkdir()
+    (dest / "hidden_states").mkdir()
+    with (dest / UNFINISHED).open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as the export writing it holds it
+        capsys.readouterr()
+        assert export(two_indexes, dest) == EXIT_CONFIG
+        assert f"export DST {dest}: another export is writing it" in capsys.readouterr().err
+        assert sorted(p.name for p in dest.iterdir()) == [UNFINISHED, "hidden_states"]
+
+
+def assert_same_export(dest: Path, reference: Path) -> None:
+    """``dest`` holds what ``reference`` (an export of the same output) holds: the same files, the
+    same hidden states byte for byte, the same rows."""
+    from datasets import load_from_disk
+
+    assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in reference.iterdir())
+    names = sorted(p.name for p in (reference / "hidden_states").iterdir())
+    assert sorted(p.name for p in (dest / "hidden_states").iterdir()) == names
+    for name in names:
+        assert (dest / "hidden_states" / name).read_bytes() == (
+            reference / "hidden_states" / name
+        ).read_bytes()
+    rows = load_from_disk(str(dest)).with_format(None).to_dict()
+    assert rows == load_from_disk(str(reference)).with_format(None).to_dict()
+    meta, theirs = (json.loads((d / METADATA).read_text()) for d in (dest, reference))
+    assert meta["rows"] == theirs["rows"] and meta["source"] == theirs["source"]
+
+
+# Inside a mount namespace: a tmpfs nearly filled by another file, an export onto it, what is left
+# there; then the other file removed (room made) and the same export again. Each step's stdout,
+# stderr and exit code are files in $LOGS.
+FULL_DISK_EXPORT = """
+mount -t tmpfs -o size="$DISK_BYTES" tmpfs "$DISK" || exit 99
+head -c "$FILLER_BYTES" /dev/zero >"$DISK/other" || exit 98
+step() {
+    name=$1; shift
+    "$PYTHON" -m job "$@" >"$LOGS/$name.out" 2>"$LOGS/$name.err"; echo $? >"$LOGS/$name.rc"
+}
+step full export --format speculators "$SRC" "$DISK/spec"
+ls -A "$DISK" >"$LOGS/after-full.ls"
+rm "$DISK/other"
+step rerun export --format speculators "$SRC" "$DISK/spec"
+cp -r "$DISK/spec" "$LOGS/spec"
+"""
+
+
+def test_an_export_onto_a_full_disk_is_an_error_and_the_same_command_succeeds_with_room(
+    two_indexes: Path, exported: Path, job_env: dict[str, str], tmp_path: Path
+) -> None:
+    prefix = mount_namespace()
+    if not prefix:
+        pytest.skip("no mount namespace (unshare --mount) for a private tmpfs here")
+    needed = sum(p.stat().st_size for p in exported.rglob("*") if p.is_file())
+    disk, logs = tmp_path / "disk", tmp_path / "logs"
+    disk.mkdir()
+    logs.mkdir()
+    env = {
+        **job_env,
+        "DISK": str(disk),
+        "LOGS": str(logs),
+        "SRC": str(two_indexes),
+        "PYTHON": sys.executable,
+        # room for about half of the export until the other file goes
+        "DISK_BYTES": str(2 * needed + 2**20),
+        "FILLER_BYTES": str(2 * needed + 2**20 - needed // 2),
+    }
+    proc = subprocess.run(
+        [*prefix, "sh", "-c", FULL_DISK_EXPORT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+
+    def step(name: str) -> tuple[int, str, str]:
+        rc, out, err = ((logs / f"{name}.{kind}").read_text() for kind in ("rc", "out", "err"))
+        return int(rc), out, err
+
+    rc, out, err = step("full")
+    assert rc == 1 and out == "", err  # a retry may succeed: exit 1, as for a run's full disk
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    line = err.strip()
+    assert line.startswith(f"error: export DST {disk}/spec: out of space (No space left on device) after ")
+    assert "the unfinished export was removed: free space there and run the same command again" in line
+    done = int(line.split(" after ")[1].split(" of ")[0])
+    assert 0 < done < len(samples(two_indexes))  # it failed midway
+    assert (logs / "after-full.ls").read_text().split() == ["other"]  # nothing of the export is left
+
+    rc, out, err = step("rerun")
+    assert rc == 0, err
+    assert out.startswith(f"exported         {len(samples(two_indexes))} samples")
+    assert_same_export(logs / "spec", exported)
 
 
 def test_export_refuses_bad_arguments(
@@ -529,9 +690,8 @@ def test_reference_backend_refuses_what_it_cannot_read(
     name = manifest["shards"][0]["name"]
     manifest["shards"][0]["checksum"]["value"] = "AAAAAAAAAAA="
     manifest_path.write_text(json.dumps(manifest))
-    transfer = reference_transfer(referenced, eagle3_extract_source=str(moved))
     with pytest.raises(DamagedShard, match=rf"index-00001/{name}: exported with checksum .* export it again"):
-        transfer.get_cached(0)
+        reference_transfer(referenced, eagle3_extract_source=str(moved))  # before training starts
 
     # a flipped byte in a sample's rows: its CRC64NVME is checked before it is handed out
     damaged = tmp_path / "damaged"
@@ -548,3 +708,76 @@ def test_reference_backend_refuses_what_it_cannot_read(
         referenced, eagle3_extract_source=str(damaged), eagle3_extract_verify="off"
     )
     assert unchecked.get_cached(0)["token_ids"].numel() > 0
+
+
+CPU_TRAINING = [
+    *("--draft-attn-impl", "sdpa", "--loss-implementation", "eager"),
+    *("--epochs", "1", "--max-steps", "1", "--total-seq-len", "256"),
+]
+
+
+def launch(program: list[str], args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*program, *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def assert_job_error_last(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """Exit 2, and the job's one error line last on stderr, after no traceback."""
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and all(n in line for n in needles), line
+    return line
+
+
+def test_the_launcher_ends_a_moved_output_with_the_flag_to_pass(
+    two_indexes: Path, job_env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m job.speculators`` itself (it fails before speculators' trainer needs CUDA): the
+    error used to come last in a speculators traceback, naming --eagle3-extract-source as if
+    it had been passed."""
+    speculators("speculators.train.trainer")
+    output, moved = tmp_path / "out", tmp_path / "moved"
+    shutil.copytree(two_indexes, output)
+    line = shlex.split(export_printing(output, tmp_path / "ref", capsys, "--hidden-states", "reference"))
+    args = [*line[line.index("train") :], "--num-workers", "0", "--save-path", str(tmp_path / "ckpt")]
+    output.rename(moved)
+    proc = launch([sys.executable, "-m", "job.speculators"], args, job_env)
+    assert_job_error_last(
+        proc,
+        f"the shards' output ({tmp_path / 'ref'}/eagle3_extract.json: source.location)",
+        f"{output}: does not exist",
+        "if the output moved, pass --eagle3-extract-source with where it is now",
+    )
+    # passed, on the CPU: one step of training from the moved output
+    cpu = [sys.executable, str(Path(__file__).parent / "speculators_cpu.py")]
+    proc = launch(cpu, [*args, "--eagle3-extract-source", str(moved), *CPU_TRAINING], job_env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (tmp_path / "ckpt" / "0").is_dir()
+
+
+def test_the_launcher_ends_a_damaged_shard_with_its_error_line(
+    two_indexes: Path, referenced: Path, job_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A sample read in a (spawned) DataLoader worker: its checksum fails there, and the launcher
+    prints that error, not the worker's traceback wrapped in speculators'."""
+    speculators("speculators.train.trainer")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(two_indexes, damaged)
+    for index in ("index-00000", "index-00001"):  # every shard: the first sample read is a damaged one
+        for entry in read_manifest(damaged / index).shards:  # type: ignore[union-attr]
+            with (damaged / index / entry.name).open("r+b") as f:
+                f.seek(entry.bytes // 2)
+                byte = f.read(1)
+                f.seek(entry.bytes // 2)
+                f.write(bytes([byte[0] ^ 1]))
+    metadata = json.loads((referenced / METADATA).read_text())
+    args = [
+        "train",
+        *("--verifier-name-or-path", metadata["model"]["path"], "--data-path", str(referenced)),
+        *("--target-layer-ids", *map(str, metadata["layers"]["speculators"]["target_layer_ids"])),
+        *("--hidden-states-backend", "eagle3-extract", "--eagle3-extract-source", str(damaged)),
+        *("--num-workers", "1", "--save-path", str(tmp_path / "ckpt"), *CPU_TRAINING),
+    ]
+    proc = launch([sys.executable, str(Path(__file__).parent / "speculators_cpu.py")], args, job_env)
+    line = assert_job_error_last(proc, f"{damaged}/index-0000", ": checksum ", "differs from the manifest's")
+    assert "on_damaged_shard=reextract" in line and "DataLoader worker" not in line

@@ -20,6 +20,7 @@ from conftest import THINKING_TEMPLATE
 
 from job.data.encode import (
     REASONING_NOT_RENDERED,
+    TEXT_DROPPED,
     EncodedSample,
     EncoderSpec,
     RejectedSample,
@@ -350,6 +351,80 @@ def test_a_sample_whose_reasoning_the_template_drops_is_written_with_a_warning(
     }
     sample = encode(tool_style["prefix_diff"], records[record])
     assert sample.warning == (REASONING_NOT_RENDERED if warned[tool_style["name"]] else None)
+
+
+# An earlier answer with a literal </think>: Qwen3's template takes all before it as reasoning and
+# drops it from that turn (not from the final one, which it renders whole).
+LITERAL_CLOSE = {
+    "messages": [
+        {"role": "user", "content": "How do models end their reasoning?"},
+        {"role": "assistant", "content": "EARLYTEXT They emit the tag </think> and go on answering."},
+        {"role": "user", "content": "Thanks."},
+        {"role": "assistant", "content": "You are welcome."},
+    ]
+}
+
+
+@pytest.mark.parametrize("markers", [True, False], ids=["markers", "prefix_diff"])
+def test_text_the_template_drops_before_a_literal_close_tag_is_warned_about(
+    builtin_model: Callable[[str], Path], markers: bool
+) -> None:
+    # With {% generation %} markers (the builtin tiny-qwen3's own template) it used to be written
+    # without the warning the rendered-turns method gives.
+    template = QWEN3_TEMPLATE if markers else strip_generation_markers(QWEN3_TEMPLATE)
+    encoder = make_encoder(builtin_model("tiny-qwen3"), template)
+    sample = encode(encoder, LITERAL_CLOSE)
+    assert sample.warning == TEXT_DROPPED
+    assert "EARLYTEXT" not in encoder.tokenizer.decode(sample.input_ids)  # written as rendered
+    # the tag after a leading reasoning block is the template's way, as is the final turn's tag
+    kept = json.loads(json.dumps(LITERAL_CLOSE))
+    kept["messages"][1]["content"] = "<think>Recall.</think>They emit the tag."
+    kept["messages"][3]["content"] = "Close it with </think> always."
+    assert encode(encoder, kept).warning is None
+
+
+# Marked, and it tests an answer's text (its shadow would take another branch): no shadow helps,
+# the content's pieces are looked for in the render instead.
+TESTING_MARKED = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
+    "{% set c = m.content.split('</think>')[-1] %}{{ c }}{% if c.startswith(' and') %} (more){% endif %}"
+    "<|im_end|>{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}\n{% endfor %}"
+)
+
+
+def test_dropped_text_is_found_under_a_marked_template_that_tests_texts(
+    builtin_model: Callable[[str], Path],
+) -> None:
+    encoder = make_encoder(builtin_model("tiny-qwen3"), TESTING_MARKED)
+    sample = encode(encoder, LITERAL_CLOSE)
+    assert sample.warning == TEXT_DROPPED
+    assert " and go on answering. (more)<|im_end|>" in encoder.tokenizer.decode(sample.input_ids)
+    assert encode(encoder, openai_record(TURNS)).warning is None
+
+
+def test_a_run_logs_the_dropped_text_warning(
+    tmp_path: Path,
+    write_jsonl: Callable[..., Path],
+    run_job: Callable[..., Any],
+    fast_args: tuple[str, ...],
+    builtin_model: Callable[[str], Path],
+) -> None:
+    tokenizer = make_encoder(builtin_model("tiny-qwen3"), QWEN3_TEMPLATE).tokenizer  # built before the run
+    data = write_jsonl(
+        tmp_path / "chat.jsonl", [{"id": "literal", **LITERAL_CLOSE}, {"id": "plain", **openai_record(TURNS)}]
+    )
+    out = tmp_path / "out"
+    result = run_job(
+        "run", f"--data.path={data}", f"--output.uri={out}", "--model.path=builtin:tiny-qwen3", *fast_args
+    )
+    assert result.rc == 0, result.describe()
+    warned = [(e["sample_id"], e["warning"]) for e in result.events if e["event"] == "sample_warning"]
+    assert warned == [("literal", TEXT_DROPPED)]
+    assert result.event("run_finished")["sample_warnings"] == {TEXT_DROPPED: 1}
+    assert "1 written with a warning" in result.stderr
+    written = {s.sample_id: s for s in iter_output(out, require_complete=True)}
+    assert sorted(written) == ["literal", "plain"]
+    assert "EARLYTEXT" not in tokenizer.decode(written["literal"].input_ids)
 
 
 def test_one_pass_generation_spans_equal_transformers_own(tool_style: dict[str, Any]) -> None:

@@ -19,9 +19,11 @@ Cases (``python -m job`` in a subprocess unless said otherwise):
 * a committed shard damaged, truncated or missing on resume, of an interrupted or a complete
   index: exit 2 naming it and output.on_damaged_shard=reextract; with reextract, its samples are
   extracted again;
-* reading damaged output: iter_output raises DamagedShard (verify=False reads it), compare and
-  export --verify end with an error line and exit 1;
-* the command line: --version, a --help per command, a reader of stdout that went away (exit 141);
+* reading damaged output: iter_output raises DamagedShard (verify=False reads it), compare ends
+  with an error line and exit 1, export --verify with exit 2 (the remedy named, nothing left in DST);
+  compare refuses a --tolerance that is nan or negative (exit 2);
+* the command line: --version, a --help per command, an unknown command (exit 2, the commands
+  listed), a reader of stdout that went away (exit 141);
 * an unexpected exception (an activation transformers lacks) with --log.format=console: the traceback is
   rendered in the log, stderr has one line;
 * progress events (tokens, an estimated then exact total, ETA, committed samples) and the final
@@ -35,19 +37,16 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
-from functools import cache
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NO_VLLM, VLLM_CPU_ENV, hide_vllm, needs_vllm
+from conftest import NO_VLLM, VLLM_CPU_ENV, hide_vllm, mount_namespace, needs_vllm
 
 from job.checksum import crc64nvme_file
 from job.errors import DamagedShard
-from job.export import METADATA
 from job.manifest import Manifest
 from job.shards import iter_output, open_shard, read_manifest
 
@@ -364,19 +363,6 @@ def test_cuda_device_without_a_gpu(
 # --- a full disk ---------------------------------------------------------------------------------
 
 
-@cache
-def _mount_namespace() -> tuple[str, ...]:
-    """A prefix that runs a command in its own mount namespace, where it may mount a tmpfs, or ()."""
-    if shutil.which("unshare") is None:
-        return ()
-    for prefix in (("unshare", "--mount"), ("unshare", "--user", "--map-root-user", "--mount")):
-        with tempfile.TemporaryDirectory() as directory:
-            probe = [*prefix, "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {directory}"]
-            if subprocess.run(probe, capture_output=True).returncode == 0:
-                return prefix
-    return ()
-
-
 # Inside the namespace: run onto a 3 MiB tmpfs, inspect --verify what is there, keep a copy; then
 # give the disk room (remount) and run again. Each step's stdout, stderr and exit code are files.
 FULL_DISK_SCRIPT = """
@@ -399,7 +385,7 @@ def test_disk_full_is_an_error_and_committed_shards_survive(
 ) -> None:
     """Before row writes waited for a shard's blocks to be reserved, the page fault on the full
     tmpfs killed the job with SIGBUS (exit 135) and an unlisted, half-written shard."""
-    prefix = _mount_namespace()
+    prefix = mount_namespace()
     if not prefix:
         pytest.skip("no mount namespace (unshare --mount) for a private tmpfs here")
     ids = [f"s{i:03d}" for i in range(40)]
@@ -753,14 +739,35 @@ def test_compare_names_the_setting_that_differs(
     assert same.rc == 0 and "different settings" not in same.stdout, same.describe()
 
 
+@pytest.mark.parametrize("tolerance", ["nan", "-0.01", "-inf", "tiny"])
+def test_compare_refuses_a_tolerance_that_is_no_relative_error(
+    complete_run: tuple[Path, Any], run_job: Callable[..., Any], tolerance: str
+) -> None:
+    # nan failed every comparison (nothing is <= nan) and a negative one every sample: both
+    # said FAIL (exit 1) about outputs that are equal.
+    out = str(complete_run[0])
+    result = run_job("compare", out, "--reference", out, f"--tolerance={tolerance}")
+    error_line(result, 2, "--tolerance", repr(tolerance), "relative error of 0 or more")
+    assert result.stdout == ""
+    same = run_job("compare", out, "--reference", out, "--tolerance=0")
+    assert same.rc == 0 and same.stdout.startswith("OK: 6 samples compared"), same.describe()
+
+
 def test_export_verify_with_a_damaged_shard(
     damaged_copy: tuple[Path, str], run_job: Callable[..., Any]
 ) -> None:
     src, name = damaged_copy
     dest = src.parent / "export"
     result = run_job("export", "--format", "speculators", str(src), str(dest), "--verify")
-    error_line(result, 1, f"{name}: checksum", "differs from the manifest's", "the shard is damaged")
-    assert not (dest / METADATA).exists()  # an export without its metadata file is unfinished
+    error_line(
+        result,
+        2,
+        f"{name}: checksum",
+        "differs from the manifest's",
+        "on_damaged_shard=reextract",
+        "export again",
+    )
+    assert not dest.exists()  # the unfinished export was removed
 
 
 # --- the command line -------------------------------------------------------------------------------
@@ -769,6 +776,18 @@ def test_export_verify_with_a_damaged_shard(
 def test_version(run_job: Callable[..., Any]) -> None:
     result = run_job("--version")
     assert result.rc == 0 and result.stdout.strip() == f"eagle3-extract {version('eagle3-extract')}"
+
+
+@pytest.mark.parametrize("word", ["frobnicate", "reextract"])
+def test_an_unknown_command_lists_the_commands(
+    run_job: Callable[..., Any], tmp_path: Path, word: str
+) -> None:
+    # It used to run `run` with the word as a stray setting ("unexpected argument").
+    result = run_job(word, f"--output.uri={tmp_path / 'out'}")
+    line = error_line(result, 2, f"unknown command {word!r}", "run (the default)", "--section.key=value")
+    for command in ("config", "plan", "preflight", "inspect", "compare", "bench", "export"):
+        assert command in line
+    assert not (tmp_path / "out").exists()
 
 
 def test_every_command_has_its_own_help(run_job: Callable[..., Any]) -> None:

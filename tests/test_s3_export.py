@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +18,11 @@ import pytest
 
 pytest.register_assert_rewrite("s3_fixtures")
 
+from conftest import mount_namespace  # noqa: E402
 from s3_fixtures import job_args, job_env, run_job  # noqa: E402
 
 from job.cli import main  # noqa: E402
-from job.errors import EXIT_CONFIG, EXIT_FAILURE  # noqa: E402
+from job.errors import EXIT_CONFIG  # noqa: E402
 from job.export import METADATA  # noqa: E402
 from job.shards import read_manifest  # noqa: E402
 
@@ -138,12 +141,71 @@ def test_a_damaged_or_missing_shard_on_s3_stops_the_export(
     data = bytearray((on_s3 / "index-00000" / entry.name).read_bytes())
     data[-1] ^= 1
     s3.put_object(Bucket=bucket, Key=key, Body=bytes(data))
-    assert export(f"s3://{bucket}/{prefix}", tmp_path / "damaged") == EXIT_FAILURE
-    assert f"s3://{bucket}/{key}: checksum" in capsys.readouterr().err
+    assert export(f"s3://{bucket}/{prefix}", tmp_path / "damaged") == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert f"s3://{bucket}/{key}: checksum" in err and "on_damaged_shard=reextract" in err
+    assert not (tmp_path / "damaged").exists()  # the unfinished export was removed
 
     s3.delete_object(Bucket=bucket, Key=key)
-    assert export(f"s3://{bucket}/{prefix}", tmp_path / "missing") == EXIT_FAILURE
-    assert f"s3://{bucket}/{key}: listed in index-00000/manifest.json but missing" in capsys.readouterr().err
+    assert export(f"s3://{bucket}/{prefix}", tmp_path / "missing") == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert f"s3://{bucket}/{key}: listed in index-00000/manifest.json but missing" in err
+    assert "on_damaged_shard=reextract" in err and "export again" in err
+    assert not (tmp_path / "missing").exists()  # found before anything was written
 
     assert export(f"s3://{bucket}/nothing-here", tmp_path / "empty") == EXIT_CONFIG
     assert "no objects there" in capsys.readouterr().err
+
+
+# Inside a mount namespace: TMPDIR a tmpfs smaller than a shard, an export from S3, then the tmpfs
+# grown (room made) and the same export again. Each step's stdout, stderr and exit code are files.
+SMALL_TMPDIR_EXPORT = """
+mount -t tmpfs -o size="$TMP_BYTES" tmpfs "$TMPDIR" || exit 99
+step() {
+    name=$1; shift
+    "$PYTHON" -m job "$@" >"$LOGS/$name.out" 2>"$LOGS/$name.err"; echo $? >"$LOGS/$name.rc"
+}
+step full export --format speculators "$SRC" "$DEST"
+ls -A "$TMPDIR" >"$LOGS/tmp-after-full.ls"
+test -e "$DEST"; echo $? >"$LOGS/dest-after-full.rc"
+mount -o remount,size=256m "$TMPDIR" || exit 98
+step rerun export --format speculators "$SRC" "$DEST"
+"""
+
+
+def test_a_full_temporary_directory_stops_an_export_from_s3(
+    on_s3: Path, s3_endpoint: str, job_cache: str, bucket: str, tmp_path: Path
+) -> None:
+    """Each shard is fetched into TMPDIR before it is read: there, a full disk is named as such
+    (not as DST's), and nothing is left in DST."""
+    prefix = mount_namespace()
+    if not prefix:
+        pytest.skip("no mount namespace (unshare --mount) for a private tmpfs here")
+    shards = read_manifest(on_s3 / "index-00000").shards  # type: ignore[union-attr]
+    small, logs, dest = tmp_path / "tmp", tmp_path / "logs", tmp_path / "spec"
+    small.mkdir()
+    logs.mkdir()
+    env = {
+        **job_env(s3_endpoint, job_cache),
+        "TMPDIR": str(small),
+        "TMP_BYTES": str(min(s.bytes for s in shards) // 2),
+        "LOGS": str(logs),
+        "SRC": f"s3://{bucket}/{PREFIX}",
+        "DEST": str(dest),
+        "PYTHON": sys.executable,
+    }
+    proc = subprocess.run(
+        [*prefix, "sh", "-c", SMALL_TMPDIR_EXPORT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    rc, err = int((logs / "full.rc").read_text()), (logs / "full.err").read_text()
+    assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: no space left in {small} for s3://{bucket}/{PREFIX}/index-00000/shard-")
+    assert "point TMPDIR at a disk with room, and run the same command again" in err
+    assert (logs / "dest-after-full.rc").read_text().strip() == "1"  # the unfinished export was removed
+    assert (logs / "tmp-after-full.ls").read_text() == ""  # and the shard's fetched part
+    rc, out = int((logs / "rerun.rc").read_text()), (logs / "rerun.out").read_text()
+    assert rc == 0, (logs / "rerun.err").read_text()
+    written = read_manifest(on_s3 / "index-00000").counts.written  # type: ignore[union-attr]
+    assert json.loads((dest / METADATA).read_text())["rows"] == written
+    assert out.startswith(f"exported         {written} samples")

@@ -33,6 +33,7 @@ order in the render. The encoder's ids and mask must equal that token by token.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ import pytest
 
 from job.data.encode import TEXT_DROPPED, EncodedSample, EncoderSpec, RejectedSample, SampleEncoder
 from job.data.formats import parse_record
+from job.settings import config_dir
 
 
 def read_template(name: str) -> str:
@@ -207,7 +209,6 @@ CONVERSATIONS: dict[str, dict[str, Any]] = {
     },
 }  # fmt: skip
 
-_DS_CALL = '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{{"city": "{}"}}<｜tool▁call▁end｜>'
 _DSML = '\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">{}</｜DSML｜parameter>\n</｜DSML｜invoke>'
 _KIMI_CALL = (
     '<|tool_call_begin|>functions.get_weather:{}<|tool_call_argument_begin|>{{"city": "{}"}}<|tool_call_end|>'
@@ -220,13 +221,19 @@ _NEMOTRON_CALL = (
 )
 
 _UNSAFE_APPEND = "access to attribute 'append' of 'list' object is unsafe"
+_IGNORES_TOOLS = (
+    "the chat template did not render the tool definitions (get_weather): it ignores the record's tools"
+)
 
 # What each assistant turn generates, in order; a string: the sample is rejected with it in the reason.
 EXPECTED: dict[str, dict[str, list[str] | str]] = {
-    "deepseek-v3.1": {  # thinking off by default: the prompt ends in </think>; after tool results none
-        "tools": [f"<｜tool▁calls▁begin｜>{_DS_CALL.format('Oslo')}<｜tool▁calls▁end｜>{_DS_EOS}", f"Snow in Oslo.{_DS_EOS}"],
-        "parallel": [f"<｜tool▁calls▁begin｜>{_DS_CALL.format('Oslo')}{_DS_CALL.format('Rome')}<｜tool▁calls▁end｜>{_DS_EOS}", f"Snow and sun.{_DS_EOS}"],
-        "consecutive": [f"Hello.{_DS_EOS}", f"Checking.<｜tool▁calls▁begin｜>{_DS_CALL.format('Oslo')}<｜tool▁calls▁end｜>{_DS_EOS}"],
+    # thinking off by default: the prompt ends in </think>; after tool results none. It takes no
+    # tools= (DeepSeek-V3.1 wants them described in the system message): records with tools are
+    # rejected, whether or not their calls name every tool (test_tools_a_template_ignores_...)
+    "deepseek-v3.1": {
+        "tools": _IGNORES_TOOLS,
+        "parallel": _IGNORES_TOOLS,
+        "consecutive": _IGNORES_TOOLS,
         "reasoning": [f"A1{_DS_EOS}", f"A2{_DS_EOS}"],
         "empty-reasoning": [f"A{_DS_EOS}"],
         "think-literal": [f" always.{_DS_EOS}", f"OK.{_DS_EOS}"],
@@ -417,6 +424,56 @@ def test_special_tokens_in_assistant_text_are_text(family: dict[str, Any]) -> No
     plain = tokenizer(fake, add_special_tokens=False)["input_ids"]
     assert special & set(plain)
     assert any(unmasked[k : k + len(plain)] == plain for k in range(len(unmasked)))
+
+
+def bundled_tool_records() -> list[dict[str, Any]]:
+    """The tool-calling records of the bundled examples (config/examples), as the job reads them."""
+    records = []
+    for line in (config_dir() / "examples" / "chat.jsonl").read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # the examples' malformed lines
+        if isinstance(record, dict) and str(record.get("id", "")).startswith("tools-"):
+            records.append(record)
+    return records
+
+
+def test_tools_a_template_ignores_are_refused_alike(tmp_path: Path) -> None:
+    # DeepSeek-V3.1's template takes no tools=. A tool's name in a call used to count as its
+    # definition: a record was written when its calls named every tool it defines, else rejected.
+    path = build_tokenizer("deepseek-v3.1", tmp_path / "tok")
+    encoder = SampleEncoder(EncoderSpec(str(path), None, "auto", 4096, "truncate", 2048))
+    uncalled = {
+        **CONVERSATIONS["tools"],
+        "tools": [WEATHER, {**WEATHER, "function": {**WEATHER["function"], "name": "get_time"}}],
+    }
+    records = [
+        *bundled_tool_records(),
+        *(CONVERSATIONS[c] for c in ("tools", "parallel", "consecutive")),
+        uncalled,
+    ]
+    assert len(records) == 8
+    for record in records:
+        result = encoder.encode("s", record, None)
+        assert isinstance(result, RejectedSample), result
+        assert "the chat template did not render the tool definitions (" in result.reason
+        assert "describe the tools in the system message" in result.reason
+
+    # described in the system message, as DeepSeek-V3.1 asks: written, the calls in the loss
+    described = {
+        "messages": [
+            {"role": "system", "content": "Be brief.\n\n## Tools\n\n### get_weather\nDescription: Weather"},
+            *CONVERSATIONS["tools"]["messages"][1:],
+        ]
+    }
+    result = encoder.encode("s", described, None)
+    assert isinstance(result, EncodedSample), result
+    family = {"tokenizer": encoder.tokenizer}
+    call = '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>'
+    turns = [f"<｜tool▁calls▁begin｜>{call}<｜tool▁calls▁end｜>{_DS_EOS}", f"Snow in Oslo.{_DS_EOS}"]
+    ids, mask = expected_mask(family, oracle_render(family, described), turns)
+    assert result.input_ids.tolist() == ids and result.loss_mask.tolist() == mask
 
 
 # Joins a tool call's arguments as a string, as DeepSeek-V3.1's template did before llama.cpp's

@@ -36,10 +36,12 @@ that joins tool call ``arguments`` as a string (DeepSeek-V3.1's) gets them as th
 record's JSON text.
 
 A template that drops a record's tool calls, tool definitions or tool results
-from the text (one written for plain chat) rejects the sample instead of
-silently training on half of it. One that drops part of an assistant's content
-(a literal ``</think>`` in an earlier answer, read as the end of its reasoning)
-writes the sample as rendered with the TEXT_DROPPED warning.
+from the text (one written for plain chat, or DeepSeek-V3.1's, which takes no
+``tools=``) rejects the sample instead of silently training on half of it; a
+definition counts as rendered where its name is outside the assistant's turns.
+One that drops part of an assistant's content (a literal ``</think>`` in an
+earlier answer, read as the end of its reasoning) writes the sample as rendered
+with the TEXT_DROPPED warning.
 
 Memory: the tokenizer sees at most ``max_length * L + GUARD`` characters of
 the rendered text, L being the longest token of the vocabulary in characters
@@ -339,10 +341,46 @@ class SampleEncoder:
         ids, mask, exact, (starts, ends) = self._tokenize(full, [*spans, *role_tokens], as_text)
         if owners is not None and located:
             self._check_masked_tokens(starts, ends, len(mask), located, owners)
-        warnings = [_reasoning_warning(conv, full)]
-        if owners is not None and located is not None:
-            warnings.append(_dropped_text_warning(messages, located, owners, self._special_tokens))
+        warnings = [
+            _reasoning_warning(conv, full),
+            self._dropped_text_warning(conv, messages, template, full, owners, located),
+        ]
         return ids, mask, exact, "; ".join(w for w in warnings if w) or None
+
+    def _dropped_text_warning(
+        self,
+        conv: Conversation,
+        messages: list[dict[str, Any]],
+        template: str,
+        full: str,
+        owners: _Owners | None,
+        located: dict[int, Span] | None,
+    ) -> str | None:
+        """TEXT_DROPPED where the render holds fewer of an assistant content's characters than the
+        content has outside a leading <think>...</think> block (reasoning, whose dropping is the
+        template's way), and the content has a '</think>' further in. Turns the tokenizer does not
+        see whole (past the char budget) are not judged."""
+        suspects = {
+            i: text
+            for i, m in enumerate(messages)
+            if m["role"] == "assistant" and (text := _past_reasoning(m)) is not None
+        }
+        if not suspects:
+            return None
+        if owners is None:  # a template with {% generation %} markers: its spans need no shadow
+            try:
+                owners = self._ownership(messages, conv.tools, template, full)
+            except SampleRejected:  # it tests texts: each piece of the content must be in the render
+                pieces = (piece.strip() for text in suspects.values() for piece in text.split(THINK_CLOSE))
+                return TEXT_DROPPED if any(piece not in full for piece in pieces) else None
+        special = self._special_tokens - REASONING_MARKERS
+        for i, text in suspects.items():
+            if owners.limit < owners.length and not owners.seen_whole(i, located):
+                continue
+            mark = _mark(i, _CONTENT)
+            if owners.count(i, _CONTENT) < _hide(text, mark, special).count(mark):
+                return TEXT_DROPPED
+        return None
 
     def _with_argument_texts(self, conv: Conversation, template: str) -> list[dict[str, Any]]:
         """The messages as the template takes them: tool call arguments as their JSON text
@@ -986,6 +1024,13 @@ class _Owners:
     def count(self, i: int, field: int) -> int:
         return int(np.count_nonzero(self.codes == 4 * i + field))
 
+    def seen_whole(self, i: int, located: dict[int, Span] | None) -> bool:
+        """Whether message ``i`` lies wholly within ``limit``: its turn ends before it (``located``),
+        else a later message's character comes before it."""
+        if located is not None:
+            return i in located and located[i][1] < self.limit
+        return bool(np.any(self.owner[self.positions] > i))
+
 
 def _spelled_out(
     full: str,
@@ -1045,7 +1090,9 @@ def _opened_before(text: str, end: int) -> bool:
 def _check_tools_rendered(
     conv: Conversation, full: str, spans: list[Span], located: dict[int, Span] | None
 ) -> None:
-    """Reject a conversation whose tool parts the template left out of the text.
+    """Reject a conversation whose tool parts the template left out of the text: a tool call
+    missing from its turn, a tool result from the text, a tool definition's name from the text
+    outside the assistant's turns (``spans``).
 
     ``located``: each assistant message's span where known (rendered-turns); a message
     without one lies beyond what the tokenizer sees and is not checked."""
@@ -1069,11 +1116,19 @@ def _check_tools_rendered(
                     f"the chat template left out the tool result of message {i}: it does not support "
                     "tool messages; set data.chat_template to one that does"
                 )
-    missing = [t["function"]["name"] for t in conv.tools or () if t["function"]["name"] not in full]
+    # A tool's name in a call the assistant makes is no definition: look outside the turns.
+    outside, at = [], 0
+    for a, b in sorted(spans):
+        outside.append(full[at:a])
+        at = max(at, b)
+    text = "\0".join([*outside, full[at:]])
+    missing = [name for t in conv.tools or () if (name := t["function"]["name"]) not in text]
     if missing:
         raise SampleRejected(
             f"the chat template did not render the tool definitions ({', '.join(missing)}): it ignores "
-            "tools; set data.chat_template to one that renders them"
+            "the record's tools; set data.chat_template to one that renders them (the template the model "
+            "is served with tools), or describe the tools in the system message (where a model whose "
+            "template takes none, as DeepSeek-V3.1's, expects them)"
         )
 
 
@@ -1101,25 +1156,17 @@ TEXT_DROPPED = (
 )
 
 
-def _dropped_text_warning(
-    messages: list[dict[str, Any]], located: dict[int, Span], owners: _Owners, special: frozenset[str]
-) -> str | None:
-    """TEXT_DROPPED where the render holds fewer of an assistant content's characters than the
-    content has outside a leading <think>...</think> block (reasoning, whose dropping is the
-    template's way), and the content has a '</think>' further in."""
-    for i, (_, end) in located.items():
-        content = messages[i].get("content")
-        if not isinstance(content, str) or THINK_CLOSE not in content or end >= owners.limit < owners.length:
-            continue
-        text = content.lstrip()
-        if text.startswith(THINK_OPEN) and THINK_CLOSE in text:
-            text = text[text.index(THINK_CLOSE) + len(THINK_CLOSE) :]
-        if THINK_CLOSE not in text:
-            continue
-        mark = _mark(i, _CONTENT)
-        if owners.count(i, _CONTENT) < _hide(text, mark, special - REASONING_MARKERS).count(mark):
-            return TEXT_DROPPED
-    return None
+def _past_reasoning(message: dict[str, Any]) -> str | None:
+    """An assistant content's text after the leading <think>...</think> block it may open with,
+    where a literal '</think>' is still in it (which a template may read as the end of reasoning);
+    else None."""
+    content = message.get("content")
+    if not isinstance(content, str) or THINK_CLOSE not in content:
+        return None
+    text = content.lstrip()
+    if text.startswith(THINK_OPEN):
+        text = text[text.index(THINK_CLOSE) + len(THINK_CLOSE) :]
+    return text if THINK_CLOSE in text else None
 
 
 def _json_escaped(text: str) -> str:

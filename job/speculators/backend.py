@@ -92,13 +92,17 @@ class RowMap:
 
 
 class ReferenceTransfer(HiddenStatesTransfer):
-    """Hidden states of a reference export's rows, read from the shards at ``source``."""
+    """Hidden states of a reference export's rows, read from the shards at ``source``, which
+    ``setting`` names in errors (the flag, or the export's record that gave it)."""
 
-    def __init__(self, source: str, rows: RowMap, layers: list[int], verify: bool = True) -> None:
+    def __init__(
+        self, source: str, rows: RowMap, layers: list[int], verify: bool = True, setting: str = SOURCE_FLAG
+    ) -> None:
         self.source = source
         self.rows = rows
         self.layers = layers  # stored layer ids in export order: auxiliary first, N last
         self.verify = verify
+        self.setting = setting
         self._shards: _ShardReader | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -111,7 +115,7 @@ class ReferenceTransfer(HiddenStatesTransfer):
     def _reader(self) -> _ShardReader:
         # speculators calls setup() only before generating on demand, never before get_cached
         if self._shards is None:
-            shards = _ShardReader(self.source, self.verify)
+            shards = _ShardReader(self.source, self.verify, self.setting)
             shards.check_listed(self.rows)
             self._shards = shards
         return self._shards
@@ -132,8 +136,8 @@ class _ShardReader:
     """The exported shards, read through ``job.shards.access`` (local: memory maps; S3: ranged
     GETs), each sample checked against its manifest's per-range CRC64NVME before it is handed out."""
 
-    def __init__(self, source: str, verify: bool) -> None:
-        self.reader = OutputReader(source, verify=verify, setting=SOURCE_FLAG)
+    def __init__(self, source: str, verify: bool, setting: str) -> None:
+        self.reader = OutputReader(source, verify=verify, setting=setting)
         self._entries: dict[tuple[str, str], ShardEntry] = {}
 
     def check_listed(self, rows: RowMap) -> None:
@@ -212,7 +216,7 @@ class Eagle3ExtractBackend(HiddenStatesBackend):
     @staticmethod
     def from_train_args(args: argparse.Namespace, data_path: str) -> ReferenceTransfer:
         metadata = read_reference_export(data_path)
-        source = getattr(args, "eagle3_extract_source", None) or metadata["source"]["location"]
+        given = getattr(args, "eagle3_extract_source", None)
         rows = RowMap.from_metadata(metadata)
         if rows.rows != metadata["rows"]:
             raise ConfigError(
@@ -220,7 +224,20 @@ class Eagle3ExtractBackend(HiddenStatesBackend):
                 "the export is damaged: export again"
             )
         verify = getattr(args, "eagle3_extract_verify", "on") != "off"
-        return ReferenceTransfer(source, rows, metadata["layers"]["exported"], verify)
+        setting = SOURCE_FLAG if given else f"the shards' output ({data_path}/{METADATA}: source.location)"
+        transfer = ReferenceTransfer(
+            given or metadata["source"]["location"], rows, metadata["layers"]["exported"], verify, setting
+        )
+        try:  # here, before training starts: the output there, and its manifests as exported
+            transfer.setup()
+        except ConfigError as exc:
+            if given:
+                raise
+            raise ConfigError(
+                f"{exc}; if the output moved, pass {SOURCE_FLAG} with where it is now (a directory or "
+                "s3://bucket/prefix) to read the shards there"
+            ) from None
+        return transfer
 
     @staticmethod
     def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:

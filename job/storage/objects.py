@@ -15,6 +15,7 @@ The layout under ``prefix/`` is the local store's. What makes it safe to retry a
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import shutil
 import tempfile
@@ -27,7 +28,7 @@ from typing import IO, TYPE_CHECKING, Any
 from awscrt.checksums import crc64nvme
 
 from job.checksum import ALGORITHM, encode
-from job.errors import ConfigError, DamagedShard, JobError, StorageError, Superseded
+from job.errors import ConfigError, DamagedShard, JobError, OutOfSpace, StorageError, Superseded
 from job.layout import EXTRACTION, MANIFEST, index_dir_name, is_log, shard_name, shard_number
 from job.logs import get_logger
 from job.manifest import Checksum, StoredFile
@@ -425,8 +426,17 @@ class ObjectShardSource(ShardSource):
         directory = Path(tempfile.mkdtemp(prefix="eagle3-fetch-"))
         try:
             path = directory / entry.name
-            with path.open("wb") as out:
-                self._copy_checked(info, entry, out)
+            try:
+                with path.open("wb") as out:
+                    self._copy_checked(info, entry, out)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise OutOfSpace(
+                    f"no space left in {directory.parent} for {self.transport.url(info.key)} "
+                    f"({entry.bytes:,} bytes), which is fetched there to be read: free space there, or point "
+                    "TMPDIR at a disk with room, and run the same command again"
+                ) from None
             yield path
         finally:
             shutil.rmtree(directory, ignore_errors=True)
