@@ -11,8 +11,9 @@ import numpy as np
 from job.data.encode import EncodedSample, GenerationStart, RejectedSample, SampleEncoder
 from job.data.source import read_records
 from job.data.stream import EncodedStream
+from job.logs import get_logger
 from job.pipeline.feed import ShardPlanner
-from job.pipeline.setup import RunSetup, prepare_run
+from job.pipeline.setup import RunSetup, prepare_run, warn_ignored_settings
 from job.settings import JobSettings
 
 # Measured on one H200, vLLM 0.26, Llama-3.1-8B shape (LLAMA_3_1_8B below), shards to local disk
@@ -93,6 +94,7 @@ def _human(nbytes: float) -> str:
 
 def plan_index(settings: JobSettings) -> str:
     setup = prepare_run(settings)
+    warn_ignored_settings(get_logger(component="settings"), settings)
     stream = EncodedStream(
         read_records(setup.files, int(settings.data.max_record_bytes)),
         setup.encoder,

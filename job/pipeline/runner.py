@@ -28,7 +28,7 @@ from job.pipeline.commit import Committer
 from job.pipeline.feed import BackendFeed, ShardPlanner
 from job.pipeline.rejections import Rejections, SampleWarnings
 from job.pipeline.resume import Resumed, pin_output, resume
-from job.pipeline.setup import RunSetup, new_run_id, prepare_run
+from job.pipeline.setup import RunSetup, new_run_id, prepare_run, warn_ignored_settings
 from job.pipeline.stop import StopFlag, exit_on_stop_signal
 from job.progress import Progress, Snapshot
 from job.settings import JobSettings, settings_dump
@@ -153,6 +153,7 @@ class IndexRun:
             weight_names=None if self.setup.weights.names is None else asdict(self.setup.weights.names),
             weight_shapes=None if self.setup.weights.shapes is None else asdict(self.setup.weights.shapes),
         )
+        warn_ignored_settings(self.log, self.setup.settings)
         if self.setup.skipped:
             log_skipped(self.setup.skipped)
 

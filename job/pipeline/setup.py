@@ -8,6 +8,7 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 from job.architecture import build_architecture
 from job.data.encode import EncoderSpec, SampleEncoder, read_chat_template
@@ -16,7 +17,6 @@ from job.errors import ConfigError
 from job.generate.sampling import Sampling, resolve_sampling
 from job.generate.stage import Regenerator
 from job.hidden_dtype import HiddenDtype, stored_dtype
-from job.logs import get_logger
 from job.manifest import Identity
 from job.model import LAYER_CONVENTION, ModelInfo, resolve_model
 from job.settings import BackendSettings, JobSettings, VllmSettings
@@ -192,16 +192,20 @@ def ignored_backend_settings(settings: JobSettings) -> list[str]:
     return ["backend.device"] if backend.device != BackendSettings().device else []
 
 
-def check_backend(settings: JobSettings, model: ModelInfo) -> None:
-    """Mistakes no retry can fix, found before any sample is read: exit 2 with the setting named;
-    a warning for settings the backend in use ignores."""
-    backend = settings.backend
+def warn_ignored_settings(log: Any, settings: JobSettings) -> None:
+    """The settings_ignored warning, where ``log`` writes it: the run's after run_started, so that
+    its shipped log file holds it too; plan's."""
     if ignored := ignored_backend_settings(settings):
-        get_logger(component="settings").warning(
+        log.warning(
             "settings_ignored",
             settings=ignored,
-            why=f"backend.name is {backend.name}: these settings apply to the other backend only",
+            why=f"backend.name is {settings.backend.name}: these settings apply to the other backend only",
         )
+
+
+def check_backend(settings: JobSettings, model: ModelInfo) -> None:
+    """Mistakes no retry can fix, found before any sample is read: exit 2 with the setting named."""
+    backend = settings.backend
     if backend.name == "vllm" and not _vllm_installed():
         raise ConfigError(
             "backend.name is vllm, but vLLM is not installed in this environment; use the container "
