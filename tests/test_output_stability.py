@@ -17,7 +17,9 @@ entry gained `ranges` (shard bytes unchanged; the manifest equal to the recorded
 its `layout` checksum covers the header's run id, so it is checked against the file and set aside).
 Updated for the weights fingerprint: the identity gained `weights_fingerprint` (the model directory
 now holds one fixed tensor; shard bytes unchanged; the manifest equal to the recorded one with that
-key removed).
+key removed). Updated for the weights' name check: the model directory holds the architecture's
+tensors (zeros) instead of one tensor no model has, which changed the weights fingerprint (shard
+data bytes unchanged; headers and manifest new).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from job.backend_io import Backend, BackendInput, HiddenChunk
 from job.checksum import crc64nvme_bytes, crc64nvme_file
@@ -50,7 +53,7 @@ RUN_SPECIFIC = {"run_id", "model_path", "model_name", "run_ids", "updated_at"}
 EXPECTED = {
     "model": {
         "files": {
-            "manifest.json": "273b2ac59a0804b4",
+            "manifest.json": "b76723be3be11286",
             "rejected.jsonl": "f177ff369ede098e",
             "shard-00000.safetensors": {"header": "63edcdd142020a68", "data": "4f95e9afa0e82ff4"},
             "shard-00001.safetensors": {"header": "c2a443bfa5ca4d68", "data": "2c88e998bf422fb1"},
@@ -60,7 +63,7 @@ EXPECTED = {
     },
     "fp8_e4m3": {
         "files": {
-            "manifest.json": "9a02efbff87d0fbe",
+            "manifest.json": "4d54fbc8e1225bb6",
             "rejected.jsonl": "f177ff369ede098e",
             "shard-00000.safetensors": {"header": "7692a78568c8858c", "data": "542adbf290ccc89c"},
             "shard-00001.safetensors": {"header": "b2797e280c33f0b6", "data": "54aa97a23462070e"},
@@ -143,8 +146,11 @@ def _model_dir(root: Path) -> Path:
         "max_position_embeddings": 1024,
     }
     (model / "config.json").write_text(json.dumps(config, indent=1))
-    # The backend needs no weights, the run's identity their fingerprint: one fixed tensor.
-    save_file({"weight": torch.arange(16, dtype=torch.float32).reshape(4, 4)}, model / "model.safetensors")
+    # The backend needs no weights, the run's identity their fingerprint and the run's check their
+    # names and shapes: the architecture's tensors, all zeros.
+    with torch.device("meta"):
+        names = LlamaForCausalLM(LlamaConfig(**config)).state_dict()
+    save_file({name: torch.zeros(t.shape) for name, t in names.items()}, model / "model.safetensors")
     return model
 
 
