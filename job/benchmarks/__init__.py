@@ -8,6 +8,8 @@ conversations; ``preflight_time`` how long ``python -m job preflight`` takes aga
 it saves; ``dataset_read`` reading an output back with ``OutputDataset`` (local, S3, memory,
 follow latency); ``regeneration`` a regenerating run against its parts (generation alone,
 extraction alone) on one engine; ``speculators_export`` the bytes a reference export saves and
-speculators' loader reading it. They import the job's modules; nothing in the job imports them
+speculators' loader reading it; ``acceptance`` EAGLE-3 drafts trained with speculators on the job's
+output of a real model (builtin:smollm2-135m-instruct), served by vLLM: acceptance, the serving
+contract, controls. They import the job's modules; nothing in the job imports them
 (``python -m job bench`` replaces its process with the throughput benchmark's own).
 """
