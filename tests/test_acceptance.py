@@ -1,0 +1,102 @@
+"""The serving contract at CPU scale: a draft trained on the job's data, served by vLLM's own EAGLE-3.
+
+``python -m job.benchmarks.acceptance`` as it runs on a GPU, cut down to this machine: the real
+SmolLM2-135M-Instruct (builtin:smollm2-135m-instruct) answers 8 MT-bench prompts greedily through
+the job on vLLM, speculators trains a draft on the job's reference export (on the CPU:
+tests/speculators_cpu.py), and vLLM decodes the same prompts with that draft at k = 1 and
+temperature 0, and with the same draft's auxiliary layer ids shifted by one. A CPU-sized training
+only gets tokens accepted by learning the very answers it is served on, so this draft does: the
+test is about the contract, not about what the data is worth (the GPU benchmark is).
+
+At k = 1 and temperature 0, vLLM's acceptance of each prompt follows from the draft's first-token
+predictions alone, so the offline step computes it exactly from our stored hidden states (the
+draft reads the states of position i and token i+1 and predicts token i+2; the next draft is 2
+positions on after an acceptance, else 1). A convention slip between what the job stores and what
+vLLM feeds a draft at serving time (a layer off by one, a one-position shift, the wrong loss
+positions, states after the final norm) makes the two differ; the shifted draft shows that a slip
+of one layer is visible at all.
+
+Needs speculative decoding on a CPU build: vllm-cpu 0.26 (0.16's CPU runner refuses it).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import VLLM_CPU_ENV, needs_real_model, real_model_wheel_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cpu_spec_decode() -> bool:
+    try:
+        from vllm.v1.worker import cpu_model_runner
+    except ImportError:
+        return False
+    return "spec decode is not supported" not in Path(cpu_model_runner.__file__).read_text()
+
+
+needs_cpu_spec_decode = pytest.mark.skipif(
+    not _cpu_spec_decode(), reason="this vLLM's CPU runner has no speculative decoding (vllm-cpu >= 0.26)"
+)
+
+
+@needs_real_model
+@needs_cpu_spec_decode
+def test_vllm_accepts_what_the_draft_predicts_offline_and_a_layer_slip_shows(
+    smollm2_dir: Path, job_env: dict[str, str], tmp_path: Path
+) -> None:
+    work = tmp_path / "acceptance"
+    # a small step: vLLM's CPU runner warms up with a forward of a whole step's tokens
+    engine = json.dumps({"enforce_eager": True, "block_size": 16, "max_num_batched_tokens": 512})
+    command = [
+        sys.executable, "-m", "job.benchmarks.acceptance",
+        "prompts", "heldout", "export", "train", "serve", "offline",
+        "--work", str(work), "--wheels", str(real_model_wheel_dir()), "--results", "",
+        "--variants", "job_bf16", "--train-on", "heldout", "--train-prompts", "1", "--heldout-prompts", "8",
+        "--max-length", "512", "--serve-max-tokens", "32",
+        "--job-arg=--backend.name=vllm", "--job-arg=--backend.vllm.enforce_eager=true",
+        "--job-arg=--backend.vllm.max_num_batched_tokens=512",
+        "--trainer", sys.executable, str(REPO / "tests" / "speculators_cpu.py"),
+        # on a CPU: no bf16 autocast, AdamW (speculators' default Muon spends minutes a step here)
+        "--train-arg=--draft-attn-impl=sdpa", "--train-arg=--loss-implementation=eager",
+        "--train-arg=--num-workers=0", "--train-arg=--ttt-steps=1", "--train-arg=--optimizer=adamw",
+        "--train-arg=--hidden-states-dtype=float32", "--train-arg=--checkpoint-freq=25",
+        "--epochs", "25", "--lr", "1e-3", "--draft-vocab-size", "4096", "--total-seq-len", "2048",
+        "--k", "1", "--temperatures", "0", "--per-prompt", "--engine-args", engine,
+    ]  # fmt: skip
+    env = {**job_env, **VLLM_CPU_ENV}
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=2400)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+
+    offline = json.loads((work / "state.json").read_text())["offline"]
+    right = json.loads((work / "serve" / "job_bf16-k1.json").read_text())["runs"][0]
+    shifted = json.loads((work / "serve" / "job_bf16_shifted_layers-k1.json").read_text())["runs"][0]
+    online = right["acceptance_per_position"][0]
+    walks = offline["k1_per_sample"]
+    same = [i for i, counts in right["per_prompt"].items() if counts == walks[i]]
+    same_shifted = [i for i, counts in shifted["per_prompt"].items() if counts == walks[i]]
+    print(
+        f"\noffline k=1 {offline['k1_acceptance']} ({offline['k1_drafts']} drafts), online {online} "
+        f"({right['drafts']}), shifted {shifted['acceptance_per_position'][0]}; prompts with the same "
+        f"drafts and acceptances online as offline: {len(same)}/{len(walks)}, shifted "
+        f"{len(same_shifted)}/{len(walks)}; greedy answers as stored: {right['same_answers']}/{len(walks)}"
+    )
+    summary = f"offline {offline}, online {right}, shifted {shifted}"
+    # the stored final layer is the target's own: its head's argmax is the greedy answer
+    assert offline["target_agreement"] > 0.95, summary
+    # spec decoding decodes what the job stored, and the draft learned it: a slip could show
+    assert right["same_answers"] >= 6, summary
+    assert offline["k1_acceptance"] > 0.4, summary
+    # the contract: vLLM accepts, prompt by prompt, what the draft predicts from our stored states
+    # (measured: 8 of 8 prompts the same, 0.7872 both, 2026-12-07)
+    assert abs(online - offline["k1_acceptance"]) <= 0.03, summary
+    assert len(same) >= 6, summary
+    # a slip of one layer shows: the shifted draft accepts less and on other positions (measured:
+    # 0.726, 1 of 8 prompts the same)
+    assert shifted["acceptance_per_position"][0] < online, summary
+    assert len(same_shifted) <= len(walks) // 2, summary
