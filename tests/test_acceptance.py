@@ -45,6 +45,8 @@ needs_cpu_spec_decode = pytest.mark.skipif(
 )
 
 
+@pytest.mark.vllm
+@pytest.mark.vllm_line  # vLLM's EAGLE-3 serving of this line (.ci/run: those with CPU spec decoding)
 @needs_real_model
 @needs_cpu_spec_decode
 def test_vllm_accepts_what_the_draft_predicts_offline_and_a_layer_slip_shows(

@@ -22,12 +22,13 @@ from job.compare import compare_outputs
 if os.environ.get("REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed in this environment")
 
-pytestmark = pytest.mark.vllm
+# Every test here goes through what differs between vLLM lines: .ci/run runs it on each (vllm_line).
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_line]
 
 FLOAT32_TOLERANCE = 1e-5  # worst relative error per sample and layer against HF in float32
 
 
-def test_deepseek_v3_captured_compiled_matches_the_reference(tmp_path: Path) -> None:
+def test_deepseek_v3_captured_compiled_matches_the_reference(tmp_path: Path, job_cache_dir: Path) -> None:
     common = [
         "--model.path=builtin:tiny-deepseek-v3",
         "--model.dtype=float32",
@@ -46,13 +47,13 @@ def test_deepseek_v3_captured_compiled_matches_the_reference(tmp_path: Path) -> 
             # docs/benchmarks.md times it; tests/test_vllm_preflight.py tests it.
             "--preflight.before_run=false",
         ],
-        tmp_path / "cache",
+        job_cache_dir,
         timeout=1200,  # the tiny DeepSeek-V3 compiles for minutes on two cores
         VLLM_MLA_DISABLE="1",
     )
     installed = next(e for e in events if e["event"] == "capture_installed")
     assert installed["mode"] == "compiled"
-    run_vllm_job([*common, f"--output.uri={tmp_path / 'hf'}", "--backend.name=hf"], tmp_path / "cache")
+    run_vllm_job([*common, f"--output.uri={tmp_path / 'hf'}", "--backend.name=hf"], job_cache_dir)
     result = compare_outputs(tmp_path / "vllm", tmp_path / "hf")
     print(f"tiny DeepSeek-V3, compiled, {installed['layer_sources']}: {result.summary(FLOAT32_TOLERANCE)}")
     assert result.samples > 30 and result.ok(FLOAT32_TOLERANCE), result.summary(FLOAT32_TOLERANCE)

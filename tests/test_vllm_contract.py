@@ -23,7 +23,8 @@ import vllm
 from adapters import select_adapter_set
 from adapters.requests import prefill_sampling_params
 
-pytestmark = pytest.mark.vllm
+# Every test here goes through what differs between vLLM lines: .ci/run runs it on each (vllm_line).
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_line]
 
 BLOCK = 16
 ADAPTERS = select_adapter_set(vllm.__version__)

@@ -5,7 +5,11 @@ prefills chunked over several steps and the last steps shrunk
 (backend.vllm.final_step_tokens, left at its default): compiled (vLLM's default compilation, capture
 through the model's EAGLE-3 aux outputs and taps; on CPU, Dynamo + Inductor) and
 eager (forward hooks). A forward that fails inside vLLM's worker, or a worker that is killed,
-ends the run with the worker's error or death, and the rerun completes."""
+ends the run with the worker's error or death, and the rerun completes.
+
+The tests marked ``vllm_line`` go through what differs between vLLM lines (adapters/, the line's
+model runner, scheduler and executor) and run on every line with a CPU build (.ci/run); the
+others test the job's own code on an output or a process, the same whatever the line."""
 
 from __future__ import annotations
 
@@ -36,31 +40,40 @@ FINAL_STEP_TOKENS = TOKEN_BUDGET // 4  # backend.vllm.final_step_tokens' default
 # The two outputs of the module's fixture run with the preflight (the default); the other tests
 # here are about the run's own engine start-up and failures, and skip it.
 NO_PREFLIGHT = ("--preflight.before_run=false",)
+COMMON = ("--data.max_length=512", "--output.shard_bytes=1MiB")
+VLLM = (
+    "--backend.name=vllm",
+    f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}",
+    "--backend.vllm.max_num_seqs=4",
+)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tmp_path_factory: pytest.TempPathFactory, job_cache_dir: Path) -> Path:
+    """The HF backend's output of the data both capture modes' runs read: one reference for both."""
+    out = tmp_path_factory.mktemp("e2e-hf") / "hf"
+    run_vllm_job([*COMMON, f"--output.uri={out}", "--backend.name=hf"], job_cache_dir)
+    return out
 
 
 @pytest.fixture(scope="module", params=["compiled", "eager"])
 def outputs(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    job_cache_dir: Path,
+    hf_reference: Path,
 ) -> tuple[Path, Path, list[dict]]:
-    root = tmp_path_factory.mktemp(f"e2e-{request.param}")
-    common = ["--data.max_length=512", "--output.shard_bytes=1MiB"]
+    out = tmp_path_factory.mktemp(f"e2e-{request.param}") / "vllm"
     events = run_vllm_job(
-        [
-            *common,
-            f"--output.uri={root / 'vllm'}",
-            "--backend.name=vllm",
-            f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}",
-            "--backend.vllm.max_num_seqs=4",
-            f"--backend.vllm.enforce_eager={request.param == 'eager'}",
-        ],
-        root / "cache",
+        [*COMMON, f"--output.uri={out}", *VLLM, f"--backend.vllm.enforce_eager={request.param == 'eager'}"],
+        job_cache_dir,
     )
     installed = next(e for e in events if e["event"] == "capture_installed")
     assert installed["mode"] == ("hooks" if request.param == "eager" else "compiled")
-    run_vllm_job([*common, f"--output.uri={root / 'hf'}", "--backend.name=hf"], root / "cache")
-    return root / "vllm", root / "hf", events
+    return out, hf_reference, events
 
 
+@pytest.mark.vllm_line  # capture through this line's model runner, compiled and with hooks
 def test_vllm_matches_the_hf_reference(outputs: tuple[Path, Path, list[dict]]) -> None:
     vllm_dir, hf_dir, events = outputs
     reference = {s.sample_id: s for s in iter_output(hf_dir, require_complete=True)}
@@ -85,14 +98,15 @@ def test_vllm_matches_the_hf_reference(outputs: tuple[Path, Path, list[dict]]) -
     assert worst[0] <= MAX_REL_ERROR, worst
 
 
-@pytest.mark.parametrize("outputs", ["eager"], indirect=True)  # one more run is enough
-def test_the_preflight_passed_first_and_a_run_without_it_writes_the_same_samples(
+@pytest.mark.vllm_line  # the worker's model, as this line's vLLM loads it, sized by the preflight
+@pytest.mark.parametrize("outputs", ["eager"], indirect=True)  # no new engine
+def test_the_preflight_passed_first_and_estimated_the_weights_the_run_built(
     outputs: tuple[Path, Path, list[dict]],
 ) -> None:
     """The fixture's run did the preflight first (in its own process, its engine gone before the
-    run's started), and changed nothing: without it, every sample's ids, mask and hidden states
-    are bit for bit the same (the shard files differ only in the run id they record)."""
-    with_preflight, _, events = outputs
+    run's started), and its memory estimate at full depth, from the reduced model's layers as
+    vLLM built them, is what the run built."""
+    _, _, events = outputs
     names = [e["event"] for e in events]
     assert names.index("preflight_passed") < names.index("run_started") < names.index("adapter_selected")
     passed = events[names.index("preflight_passed")]
@@ -102,23 +116,23 @@ def test_the_preflight_passed_first_and_a_run_without_it_writes_the_same_samples
         and line.endswith("(checked by run, before its preflight)")
         for line in passed["proven"]
     ), passed["proven"]
-    # Its memory estimate at full depth, from the reduced model's layers, is what the run built.
     built = next(e for e in events if e["event"] == "capture_installed")
     assert passed["memory"]["weight_bytes"] == built["weight_bytes"]
     assert passed["memory"]["reduced_weight_bytes"] < built["weight_bytes"]
+    print(f"\npreflight {passed['seconds']}; weights at full depth {built['weight_bytes']} bytes")
+
+
+@pytest.mark.parametrize("outputs", ["eager"], indirect=True)  # one more run is enough
+def test_a_run_without_the_preflight_writes_the_same_samples(
+    outputs: tuple[Path, Path, list[dict]], job_cache_dir: Path
+) -> None:
+    """The preflight changed nothing: without it, every sample's ids, mask and hidden states are
+    bit for bit the same (the shard files differ only in the run id they record)."""
+    with_preflight, _, _ = outputs
     without = with_preflight.parent / "vllm-without-preflight"
     run_vllm_job(
-        [
-            "--data.max_length=512",
-            "--output.shard_bytes=1MiB",
-            f"--output.uri={without}",
-            "--backend.name=vllm",
-            f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}",
-            "--backend.vllm.max_num_seqs=4",
-            "--backend.vllm.enforce_eager=true",
-            *NO_PREFLIGHT,
-        ],
-        with_preflight.parent / "cache",
+        [*COMMON, f"--output.uri={without}", *VLLM, "--backend.vllm.enforce_eager=true", *NO_PREFLIGHT],
+        job_cache_dir,
     )
     got = {s.sample_id: s for s in iter_output(with_preflight, require_complete=True)}
     want = {s.sample_id: s for s in iter_output(without, require_complete=True)}
@@ -127,10 +141,12 @@ def test_the_preflight_passed_first_and_a_run_without_it_writes_the_same_samples
         sample = got[sample_id]
         assert torch.equal(sample.input_ids, ref.input_ids) and torch.equal(sample.loss_mask, ref.loss_mask)
         assert torch.equal(sample.hidden_states, ref.hidden_states), sample_id
-    print(f"\npreflight {passed['seconds']}; {len(got)} samples identical with and without it")
+    print(f"\n{len(got)} samples identical with and without the preflight")
 
 
-@pytest.mark.parametrize("outputs", ["eager"], indirect=True)  # the preflight test's output, no new engine
+# vLLM's worker start-up (when it imports the job's worker extension, how it names the process)
+@pytest.mark.vllm_line
+@pytest.mark.parametrize("outputs", ["eager"], indirect=True)  # no new engine
 def test_vllms_worker_process_logs_json_to_stdout_and_to_the_shipped_log_file(
     outputs: tuple[Path, Path, list[dict]],
 ) -> None:
@@ -160,7 +176,7 @@ def test_vllms_worker_process_logs_json_to_stdout_and_to_the_shipped_log_file(
     print(f"\n{len(worker)} worker records in the shipped log, e.g. {worker[0]['event'][:80]!r}")
 
 
-@pytest.mark.parametrize("outputs", ["eager"], indirect=True)  # the preflight test's output, no new engine
+@pytest.mark.parametrize("outputs", ["eager"], indirect=True)  # no new engine
 def test_output_dataset_reads_the_vllm_output_as_iter_output_does(
     outputs: tuple[Path, Path, list[dict]],
 ) -> None:
@@ -186,6 +202,7 @@ def test_output_dataset_reads_the_vllm_output_as_iter_output_does(
     print(f"\nOutputDataset: {len(reference)} samples of vLLM's output, as iter_output's (layers {picked})")
 
 
+@pytest.mark.vllm_line  # this line's scheduler, KV cache and two-phase steps, through adapters/
 def test_batches_held_several_requests_long_prefills_were_chunked_steps_overlapped_and_the_last_shrank(
     outputs: tuple[Path, Path, list[dict]],
 ) -> None:
@@ -210,26 +227,17 @@ def test_batches_held_several_requests_long_prefills_were_chunked_steps_overlapp
 
 @pytest.mark.parametrize("outputs", ["compiled"], indirect=True)  # one engine start-up is enough
 def test_sigterm_while_the_engine_starts_exits_at_once_and_a_rerun_completes(
-    outputs: tuple[Path, Path, list[dict]], tmp_path: Path
+    outputs: tuple[Path, Path, list[dict]], tmp_path: Path, job_cache_dir: Path
 ) -> None:
     """vLLM's start-up (model load, compilation, KV cache) can block for minutes and never looks
     at the job's stop flag: SIGTERM then ends the process at once, engine workers included, and
     the output is left as a kill -9 would leave it: the rerun writes every sample once."""
     reference, _, _ = outputs
     out = tmp_path / "out"
-    args = [
-        "--data.max_length=512",
-        "--output.shard_bytes=1MiB",
-        f"--output.uri={out}",
-        "--backend.name=vllm",
-        f"--backend.vllm.max_num_batched_tokens={TOKEN_BUDGET}",
-        "--backend.vllm.max_num_seqs=4",
-        *NO_PREFLIGHT,
-    ]
-    cache = reference.parent / "cache"
+    args = [*COMMON, f"--output.uri={out}", *VLLM, *NO_PREFLIGHT]
     proc = subprocess.Popen(
         [sys.executable, "-m", "job", "run", "--log.format=json", *args],
-        env=vllm_job_env(cache, PYTHONUNBUFFERED="1"),
+        env=vllm_job_env(job_cache_dir, PYTHONUNBUFFERED="1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -257,7 +265,7 @@ def test_sigterm_while_the_engine_starts_exits_at_once_and_a_rerun_completes(
     (stopped,) = [e for e in events if e["event"] == "run_stopped"]
     assert stopped["phase"] == "engine_startup" and stopped["signal"] == "SIGTERM"
     assert not left, f"child processes outlived the job: {left}"
-    run_vllm_job(args, cache)
+    run_vllm_job(args, job_cache_dir)
     written = sorted(s.sample_id for s in iter_output(out))
     assert written == sorted(s.sample_id for s in iter_output(reference))
     print(f"\nSIGTERM during the engine's start-up: exit {rc} after {seconds_to_exit:.2f} s")
@@ -300,11 +308,16 @@ sys.meta_path.insert(0, FailTheFirstStep())
 """
 
 
-def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(tmp_path: Path) -> None:
+# The failed step's answer differs by line (adapters/execution.py): None on 0.16, an output lacking the
+# step's requests on 0.26.
+@pytest.mark.vllm_line
+def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(
+    tmp_path: Path, job_cache_dir: Path
+) -> None:
     """The worker's own error is the run's error line (vLLM 0.26 answers a failed step's
     sample_tokens with an output lacking the step's requests, which once surfaced as a KeyError
     naming a sample), the exit code says a retry may succeed, and the rerun writes every sample."""
-    out, cache = tmp_path / "out", tmp_path / "cache"
+    out = tmp_path / "out"
     args = [
         "--data.max_length=256",
         f"--output.uri={out}",
@@ -316,7 +329,7 @@ def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(tmp
     pythonpath = with_sitecustomize(tmp_path / "fail-the-first-step", FAIL_THE_FIRST_STEP)
     proc = subprocess.run(
         [sys.executable, "-m", "job", "run", *args],
-        env=vllm_job_env(cache, PYTHONPATH=pythonpath),
+        env=vllm_job_env(job_cache_dir, PYTHONPATH=pythonpath),
         capture_output=True,
         text=True,
         timeout=900,
@@ -330,12 +343,16 @@ def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(tmp
     ), error_line
     assert "a rerun resumes" in error_line
     assert list(iter_output(out)) == []
-    events = run_vllm_job(args, cache)
+    events = run_vllm_job(args, job_cache_dir)
     finished = next(e for e in events if e["event"] == "run_finished")
     assert finished["status"] == "complete" and finished["written"] == len(list(iter_output(out))) > 30
 
 
-def test_a_worker_killed_mid_run_ends_the_run_naming_its_death(tmp_path: Path, write_jsonl: Any) -> None:
+# vLLM's executor watches its workers and marks itself failed (its worker monitor, per line).
+@pytest.mark.vllm_line
+def test_a_worker_killed_mid_run_ends_the_run_naming_its_death(
+    tmp_path: Path, write_jsonl: Any, job_cache_dir: Path
+) -> None:
     """A vLLM worker process that the kernel kills (the OOM killer at TP=8, say) ends the run with
     an error line naming the dead worker and its signal, exit 1 (a retry may succeed), nothing half
     written listed, and the rerun writes every sample exactly once. The worker is SIGKILLed once the
@@ -354,7 +371,7 @@ def test_a_worker_killed_mid_run_ends_the_run_naming_its_death(tmp_path: Path, w
         for n in range(600)
     ]
     data = write_jsonl(tmp_path / "data.jsonl", records)
-    out, cache = tmp_path / "out", tmp_path / "cache"
+    out = tmp_path / "out"
     args = [
         f"--data.path={data}",
         "--data.max_length=256",
@@ -367,7 +384,7 @@ def test_a_worker_killed_mid_run_ends_the_run_naming_its_death(tmp_path: Path, w
     ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "job", "run", "--log.format=json", *args],
-        env=vllm_job_env(cache, PYTHONUNBUFFERED="1"),
+        env=vllm_job_env(job_cache_dir, PYTHONUNBUFFERED="1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -390,7 +407,7 @@ def test_a_worker_killed_mid_run_ends_the_run_naming_its_death(tmp_path: Path, w
     assert "a rerun resumes" in error_line
     committed = {s.sample_id for s in iter_output(out)}
     assert 0 < len(committed) < len(records)
-    run_vllm_job(args, cache)
+    run_vllm_job(args, job_cache_dir)
     written = [s.sample_id for s in iter_output(out)]
     assert sorted(written) == sorted(r["id"] for r in records)
     print(f"\nworker killed with {len(committed)} of {len(records)} samples committed: exit 1")

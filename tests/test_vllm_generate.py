@@ -21,7 +21,8 @@ from job.shards import iter_output
 if os.environ.get("REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed in this environment")
 
-pytestmark = pytest.mark.vllm
+# Every test here generates on this line's model runner and sampler: .ci/run runs it on each (vllm_line).
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_line]
 
 MAX_REL_ERROR = 1e-4  # float32 on both sides
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the tiny model gains nothing from more
@@ -74,16 +75,24 @@ def sidecars(index_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("vllm-generate")
-    path = root / "data" / "chat.jsonl"
+def data(tmp_path_factory: pytest.TempPathFactory, job_cache_dir: Path) -> tuple[Path, Path]:
+    path = tmp_path_factory.mktemp("vllm-generate") / "data" / "chat.jsonl"
     path.parent.mkdir()
     path.write_text("".join(json.dumps(r) + "\n" for r in records()))
-    return path, root / "cache"
+    return path, job_cache_dir
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(data: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The HF backend's greedy regeneration (its output's index): the reference of both greedy tests."""
+    path, cache = data
+    out = tmp_path_factory.mktemp("vllm-generate-hf") / "hf"
+    run([f"--data.path={path}", *COMMON, *GREEDY, f"--output.uri={out}", "--backend.name=hf"], cache)
+    return out / "index-00000"
 
 
 def test_greedy_turns_equal_the_hf_backends_and_so_do_their_hidden_states(
-    data: tuple[Path, Path], tmp_path: Path
+    data: tuple[Path, Path], hf_greedy: Path, tmp_path: Path
 ) -> None:
     path, cache = data
     base = [f"--data.path={path}", *COMMON, *GREEDY]
@@ -92,8 +101,7 @@ def test_greedy_turns_equal_the_hf_backends_and_so_do_their_hidden_states(
         [*base, f"--output.uri={tmp_path / 'vllm'}", *VLLM, "--backend.vllm.max_num_seqs=4", every_item],
         cache,
     )
-    run([*base, f"--output.uri={tmp_path / 'hf'}", "--backend.name=hf"], cache)
-    got, want = samples(tmp_path / "vllm" / "index-00000"), samples(tmp_path / "hf" / "index-00000")
+    got, want = samples(tmp_path / "vllm" / "index-00000"), samples(hf_greedy)
     assert got.keys() == want.keys() and len(got) == 18
     worst = 0.0
     for sample_id, ref in want.items():
@@ -102,11 +110,11 @@ def test_greedy_turns_equal_the_hf_backends_and_so_do_their_hidden_states(
         assert np.array_equal(sample.loss_mask.numpy(), ref.loss_mask.numpy()), sample_id
         a, b = sample.hidden_states.float(), ref.hidden_states.float()
         worst = max(worst, float(((a - b).norm() / b.norm()).item()))
-    assert sidecars(tmp_path / "vllm" / "index-00000") == sidecars(tmp_path / "hf" / "index-00000")
+    assert sidecars(tmp_path / "vllm" / "index-00000") == sidecars(hf_greedy)
     passed = next(e for e in events if e["event"] == "preflight_passed")
     assert any("turns regenerated first" in line for line in passed["proven"]), passed["proven"]
     stats = next(e for e in events if e["event"] == "vllm_extract_finished")
-    turns = sum(len(line["turns"]) for line in sidecars(tmp_path / "hf" / "index-00000").values())
+    turns = sum(len(line["turns"]) for line in sidecars(hf_greedy).values())
     assert stats["generation_requests"] == turns > 18  # every turn, multi-turn ones included
     # As many conversations under way as the engine decodes at once (more would queue behind each
     # other and all finish at the end), and samples extracted while others still generate.
@@ -121,13 +129,14 @@ def test_greedy_turns_equal_the_hf_backends_and_so_do_their_hidden_states(
     assert worst <= MAX_REL_ERROR
 
 
-def test_greedy_turns_at_two_tensor_parallel_ranks(data: tuple[Path, Path], tmp_path: Path) -> None:
+def test_greedy_turns_at_two_tensor_parallel_ranks(
+    data: tuple[Path, Path], hf_greedy: Path, tmp_path: Path
+) -> None:
     path, cache = data
     base = [f"--data.path={path}", *COMMON, *GREEDY]
     tp = [*VLLM, *NO_PREFLIGHT, "--backend.tensor_parallel_size=2", "--backend.vllm.max_num_seqs=4"]
     run([*base, f"--output.uri={tmp_path / 'tp2'}", *tp], cache, VLLM_CPU_OMP_THREADS_BIND="0|1")
-    run([*base, f"--output.uri={tmp_path / 'hf'}", "--backend.name=hf"], cache)
-    got, want = samples(tmp_path / "tp2" / "index-00000"), samples(tmp_path / "hf" / "index-00000")
+    got, want = samples(tmp_path / "tp2" / "index-00000"), samples(hf_greedy)
     assert got.keys() == want.keys()
     for sample_id, ref in want.items():
         assert np.array_equal(got[sample_id].input_ids.numpy(), ref.input_ids.numpy()), sample_id

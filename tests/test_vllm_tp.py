@@ -18,7 +18,8 @@ from job.compare import compare_outputs
 if os.environ.get("REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed in this environment")
 
-pytestmark = pytest.mark.vllm
+# Every test here goes through what differs between vLLM lines: .ci/run runs it on each (vllm_line).
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_line]
 
 
 def _run(args: list[str], cache: Path) -> list[dict]:
@@ -26,8 +27,9 @@ def _run(args: list[str], cache: Path) -> list[dict]:
     return run_vllm_job(["--data.max_length=256", *args], cache, VLLM_CPU_OMP_THREADS_BIND="0|1")
 
 
-def test_two_tensor_parallel_ranks_capture_once_and_match_the_reference(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
+def test_two_tensor_parallel_ranks_capture_once_and_match_the_reference(
+    tmp_path: Path, job_cache_dir: Path
+) -> None:
     events = _run(
         [
             f"--output.uri={tmp_path / 'tp2'}",
@@ -36,7 +38,7 @@ def test_two_tensor_parallel_ranks_capture_once_and_match_the_reference(tmp_path
             "--backend.vllm.max_num_batched_tokens=128",
             "--backend.vllm.max_num_seqs=4",
         ],
-        cache,
+        job_cache_dir,
     )
     installed = next(e for e in events if e["event"] == "capture_installed")
     assert installed["tp_ranks"] == 2  # both workers ran hs_install ...
@@ -50,7 +52,7 @@ def test_two_tensor_parallel_ranks_capture_once_and_match_the_reference(tmp_path
     passed = events[names.index("preflight_passed")]
     assert any("TP=2" in line for line in passed["proven"]), passed["proven"]
     print(f"TP=2 preflight: {passed['seconds']}")
-    _run([f"--output.uri={tmp_path / 'hf'}", "--backend.name=hf"], cache)
+    _run([f"--output.uri={tmp_path / 'hf'}", "--backend.name=hf"], job_cache_dir)
     result = compare_outputs(tmp_path / "tp2", tmp_path / "hf")
     print(f"TP=2 vs HF: {result.summary(2e-2)}")
     assert result.ok(2e-2), result.summary(2e-2)
