@@ -300,7 +300,29 @@ def step_extractor(args: argparse.Namespace) -> None:
             target / "hidden_states" / f"hs_{row}.safetensors",
         )
         os.unlink(path)
-    _record(args, "extractor", {"rows": len(rows), "seconds": round(time.perf_counter() - started, 1)})
+    seconds = round(time.perf_counter() - started, 1)
+    _record(args, "extractor", {"rows": len(rows), "seconds": seconds, **_extractor_vs_job(work, target)})
+
+
+def _extractor_vs_job(work: Path, target: Path, rows: int = 64) -> dict[str, Any]:
+    """The extractor's hidden states of the first ``rows`` rows against the job's of the same
+    tokens: the worst relative error per layer (0 where both computed the same bytes)."""
+    from safetensors.torch import load_file
+
+    ours = {tuple(s.input_ids.tolist()): s for s in _samples(work / "out" / "train")}
+    worst: list[float] = []
+    compared = 0
+    for row in range(rows):
+        path = target / "hidden_states" / f"hs_{row}.safetensors"
+        if not path.is_file():
+            break
+        compared += 1
+        stored = load_file(path)
+        sample = ours[tuple(stored["token_ids"].tolist())]
+        theirs, mine = stored["hidden_states"].float(), sample.hidden_states.float()
+        errors = [float((theirs[:, i] - mine[:, i]).norm() / mine[:, i].norm()) for i in range(mine.shape[1])]
+        worst = [max(a, b) for a, b in zip(worst, errors, strict=True)] if worst else errors
+    return {"compared_rows": compared, "worst_rel_error_by_layer": [round(e, 6) for e in worst]}
 
 
 def _export_rows(export: Path) -> list[list[int]]:
