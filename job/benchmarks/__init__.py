@@ -7,6 +7,8 @@ samples per CPU second of tokenizing and masking agentic conversations; ``prefli
 ``python -m job preflight`` takes against the start-up it saves; ``dataset_read`` reading an
 output back with ``OutputDataset`` (local, S3, memory, follow latency); ``regeneration`` a
 regenerating run against its parts (generation alone, extraction alone) on one engine;
-``speculators_export`` the bytes a reference export saves and speculators' loader reading it.
+``speculators_export`` the bytes a reference export saves and speculators' loader reading it;
+``real_activations`` the backends against HF float32 and FP8 storage on a real model's activations
+(SmolLM2-135M-Instruct's own answers: crest factors, outlier channels, scale schemes).
 They import the job's modules; nothing in the job imports them (``job.cli`` dispatches ``bench`` lazily).
 """

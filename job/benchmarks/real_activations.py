@@ -88,6 +88,7 @@ class Run:
     name: str
     out: Path
     seconds: float  # wall seconds of the process
+    loads: tuple[float, float]  # the machine's load average when it started and ended
     finished: dict[str, Any]  # its run_finished event
     backend: dict[str, Any]  # the manifest's backend info
 
@@ -112,10 +113,17 @@ class Bench:
         )
 
     def job(self, name: str, python: str, settings: list[str]) -> Run:
-        """``python -m job run SETTINGS --output.uri=WORK/NAME``; it must exit 0."""
-        out = self.work / name
+        """``python -m job run SETTINGS --output.uri=WORK/NAME``; it must exit 0. With ``--reuse``,
+        an earlier run's complete output (and what it recorded) stands for it."""
+        out, record = self.work / name, self.work / f"{name}.run.json"
+        if self.args.reuse and record.is_file():
+            kept = json.loads(record.read_text())
+            self.log(f"{name}: reused ({kept['finished']['tokens']} tokens, {kept['seconds']:.0f} s)")
+            return Run(
+                name, out, kept["seconds"], tuple(kept["loads"]), kept["finished"], _manifest(out)["backend"]
+            )
         self.log(f"{name}: {Path(python).parent.parent.name} python -m job run")
-        started = time.perf_counter()
+        started, load = time.perf_counter(), os.getloadavg()[0]
         proc = subprocess.run(
             [
                 python,
@@ -137,9 +145,10 @@ class Bench:
             raise SystemExit(f"{name}: python -m job run exited {proc.returncode}:\n{proc.stderr[-3000:]}")
         events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         finished = next(e for e in events if e.get("event") == "run_finished")
-        manifest = json.loads((out / "index-00000" / "manifest.json").read_text())
+        loads = (round(load, 1), round(os.getloadavg()[0], 1))
+        record.write_text(json.dumps({"seconds": seconds, "loads": loads, "finished": finished}))
         self.log(f"{name}: {finished['tokens']} tokens, {seconds:.0f} s")
-        return Run(name, out, seconds, finished, manifest["backend"])
+        return Run(name, out, seconds, loads, finished, _manifest(out)["backend"])
 
     def vllm_settings(self) -> list[str]:
         return [
@@ -214,6 +223,36 @@ def write_inputs(generated: Path, tokenized: Path, conversations: Path) -> int:
                 turn = json.loads(line)
                 f.write(json.dumps({"id": turn["sample_id"], "messages": turn["messages"]}) + "\n")
     return count
+
+
+def token_errors(candidate: Path, reference: Path) -> dict[str, dict[int, float]]:
+    """Per layer: the worst per-sample relative error without each sample's first token, and the
+    median, 99th percentile and largest per-token relative error ||a - b|| / ||b||. A real
+    model's first token carries a massive activation (its norm 10-100 times the others'), and a
+    per-sample norm is then mostly that token's."""
+    from job.shards import iter_output
+
+    ref = {s.sample_id: s.hidden_states.float() for s in iter_output(reference, require_complete=True)}
+    without_first: list[torch.Tensor] = []
+    per_token: list[torch.Tensor] = []
+    layer_ids: list[int] = []
+    for s in iter_output(candidate, require_complete=True):
+        a, b = s.hidden_states.float(), ref[s.sample_id]
+        without_first.append((a[1:] - b[1:]).norm(dim=(0, 2)) / b[1:].norm(dim=(0, 2)))
+        per_token.append((a - b).norm(dim=-1) / b.norm(dim=-1))
+        layer_ids = s.layer_ids
+    worst = torch.stack(without_first).amax(dim=0)
+    tokens = torch.cat(per_token)
+    figures = {
+        "without_first_token": worst,
+        "token_median": tokens.median(dim=0).values,
+        "token_p99": torch.quantile(tokens, 0.99, dim=0),
+        "token_max": tokens.amax(dim=0),
+    }
+    return {
+        name: {k: float(f"{v:.3g}") for k, v in zip(layer_ids, values.tolist(), strict=True)}
+        for name, values in figures.items()
+    }
 
 
 # Where one FP8 scale is shared, as ``scale(states)`` [T, L, H] -> a broadcastable absmax:
@@ -323,9 +362,9 @@ def machine() -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     bench = Bench(args)
-    shutil.rmtree(bench.work, ignore_errors=True)
-    bench.work.mkdir(parents=True)
-    loads = [os.getloadavg()[0]]
+    if not args.reuse:
+        shutil.rmtree(bench.work, ignore_errors=True)
+    bench.work.mkdir(parents=True, exist_ok=True)
     prompts = bench.work / "prompts.jsonl"
     write_prompts(prompts, args.prompts)
     generated = bench.job(
@@ -346,7 +385,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     samples = write_inputs(generated.out, tokenized, conversations)
     real = [f"--model.path={REAL_MODEL}", f"--data.path={tokenized}", "--data.format=tokenized"]
     hf32 = bench.job("hf-float32", sys.executable, [*real, "--backend.name=hf", "--model.dtype=float32"])
-    loads.append(os.getloadavg()[0])
     candidates = [
         bench.job("hf-bfloat16", sys.executable, [*real, "--backend.name=hf", "--model.dtype=bfloat16"])
     ]
@@ -358,13 +396,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         candidates += [bf16, fp8]
         pairs.append((bf16, fp8))
-        loads.append(os.getloadavg()[0])
     tiny = [f"--model.path={TINY_MODEL}", f"--data.path={conversations}", "--data.format=openai"]
     tiny_bf16 = bench.job("tiny-hf-bfloat16", sys.executable, [*tiny, "--backend.name=hf"])
     tiny_fp8 = bench.job(
         "tiny-hf-bfloat16-fp8", sys.executable, [*tiny, "--backend.name=hf", "--output.hidden_dtype=fp8_e4m3"]
     )
-    loads.append(os.getloadavg()[0])
+    runs = [generated, hf32, *candidates, tiny_bf16, tiny_fp8]
+    loads = [load for run in runs for load in run.loads]
 
     common = {
         "config": "real_activations",
@@ -393,8 +431,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "backend": candidate.backend.get("backend"),
                 "vllm": candidate.backend.get("vllm_version"),
                 "capture": candidate.backend.get("capture"),
-                "storage": _storage(candidate.out),
+                "storage": _manifest(candidate.out)["identity"]["storage"],
                 **{k: v for k, v in figures.items() if k != "summary"},
+                **token_errors(candidate.out, reference.out),
                 "run_seconds": round(candidate.seconds, 1),
             }
         )
@@ -403,6 +442,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         compared(candidate, hf32, REAL_MODEL)
     for bf16, fp8 in pairs:
         compared(fp8, bf16, REAL_MODEL)
+    for bf16, _ in pairs[1:]:  # one vLLM line against the other
+        compared(bf16, pairs[0][0], REAL_MODEL)
     compared(tiny_fp8, tiny_bf16, TINY_MODEL)
     for model, (base, fp8) in ((REAL_MODEL, pairs[0]), (TINY_MODEL, (tiny_bf16, tiny_fp8))):
         for layer, figures in outlier_stats(base.out, fp8.out, args.high_crest_share).items():
@@ -420,8 +461,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _storage(out: Path) -> str:
-    return str(json.loads((out / "index-00000" / "manifest.json").read_text())["identity"]["storage"])
+def _manifest(out: Path) -> dict[str, Any]:
+    manifest: dict[str, Any] = json.loads((out / "index-00000" / "manifest.json").read_text())
+    if not manifest["complete"]:
+        raise SystemExit(f"{out}: the run did not complete (run without --reuse)")
+    return manifest
 
 
 def _e(value: float) -> str:
@@ -444,6 +488,18 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
             f"| {r['samples']}{f' ({mismatched} not comparable)' if mismatched else ''} "
             f"| {_e(r['worst'])} ({per_layer}) |"
         )
+    print()
+    print(
+        f"| model | candidate | reference | worst without the first token (layers {layers}) "
+        "| per token: median | p99 | max |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in compared:
+        cells = " | ".join(
+            ", ".join(_e(v) for _, v in sorted(r[name].items()))
+            for name in ("without_first_token", "token_median", "token_p99", "token_max")
+        )
+        print(f"| {r['model'].removeprefix('builtin:')} | {r['candidate']} | {r['reference']} | {cells} |")
     outliers = [r for r in rows if r["table"] == "outliers"]
     print()
     print(
@@ -452,7 +508,7 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
     )
     print("|---|---|---|---|---|---|")
     for r in outliers:
-        channels = ", ".join(f"{c['channel']} ({c['share']:.0%})" for c in r["absmax_channels"])
+        channels = ", ".join(f"{c['channel']} ({c['share']:.1%})" for c in r["absmax_channels"])
         print(
             f"| {r['model'].removeprefix('builtin:')} | {r['layer']} "
             f"| {r['crest_median']} / {r['crest_p99']} / {r['crest_max']} ({r['hidden_size'] ** 0.5:.1f}) "
@@ -497,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
         "--high-crest-share", type=float, default=0.05, help="the tokens of largest crest factor, per layer"
     )
     ap.add_argument("--work-dir", default="/tmp/eagle3-real-activations")
+    ap.add_argument(
+        "--reuse", action="store_true", help="keep --work-dir's completed runs; run only what is missing"
+    )
     ap.add_argument("--out", default=str(DOCS), help="results.jsonl goes here ('': print only)")
     ap.add_argument("--label", default="", help="recorded in every row (e.g. the commit measured)")
     args = ap.parse_args(argv)
