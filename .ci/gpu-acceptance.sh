@@ -22,7 +22,7 @@ if [ ! -f "$wheel" ]; then
 fi
 work=/dev/shm/acc
 mkdir -p $work
-[ -d $work/prompts ] || cp -r .real-model/acc/prompts $work/
+[ -d $work/prompts ] || cp -r .real-model/acc/prompts .real-model/acc/state.json $work/
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$L"
 timeout "${LIMIT:-560}" python3 -m job.benchmarks.acceptance "${steps[@]}" --work $work \
   --results "$OUT/results.jsonl" "$@" 2>&1 | tee -a "$L"
