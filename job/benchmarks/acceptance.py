@@ -309,19 +309,27 @@ def _extractor_vs_job(work: Path, target: Path, rows: int = 64) -> dict[str, Any
     tokens: the worst relative error per layer (0 where both computed the same bytes)."""
     from safetensors.torch import load_file
 
-    ours = {tuple(s.input_ids.tolist()): s for s in _samples(work / "out" / "train")}
-    worst: list[float] = []
-    compared = 0
-    for row in range(rows):
-        path = target / "hidden_states" / f"hs_{row}.safetensors"
+    files = [target / "hidden_states" / f"hs_{row}.safetensors" for row in range(rows)]
+    extracted = {}
+    for path in files:
         if not path.is_file():
             break
-        compared += 1
         stored = load_file(path)
-        sample = ours[tuple(stored["token_ids"].tolist())]
-        theirs, mine = stored["hidden_states"].float(), sample.hidden_states.float()
+        extracted[tuple(stored["token_ids"].tolist())] = stored["hidden_states"].float()
+    worst: list[float] = []
+    matched = set()
+    for sample in _samples(work / "out" / "train"):  # only the compared rows' states kept
+        tokens = tuple(sample.input_ids.tolist())
+        theirs = extracted.get(tokens)
+        if theirs is None:
+            continue
+        matched.add(tokens)
+        mine = sample.hidden_states.float()
         errors = [float((theirs[:, i] - mine[:, i]).norm() / mine[:, i].norm()) for i in range(mine.shape[1])]
         worst = [max(a, b) for a, b in zip(worst, errors, strict=True)] if worst else errors
+    if len(matched) < len(extracted):
+        raise SystemExit(f"acceptance: {len(extracted) - len(matched)} extracted rows match no sample of the job's")
+    compared = len(extracted)
     return {"compared_rows": compared, "worst_rel_error_by_layer": [round(e, 6) for e in worst]}
 
 
