@@ -328,7 +328,8 @@ def _extractor_vs_job(work: Path, target: Path, rows: int = 64) -> dict[str, Any
         errors = [float((theirs[:, i] - mine[:, i]).norm() / mine[:, i].norm()) for i in range(mine.shape[1])]
         worst = [max(a, b) for a, b in zip(worst, errors, strict=True)] if worst else errors
     if len(matched) < len(extracted):
-        raise SystemExit(f"acceptance: {len(extracted) - len(matched)} extracted rows match no sample of the job's")
+        missing = len(extracted) - len(matched)
+        raise SystemExit(f"acceptance: {missing} extracted rows match no sample of the job's")
     compared = len(extracted)
     return {"compared_rows": compared, "worst_rel_error_by_layer": [round(e, 6) for e in worst]}
 
