@@ -8,7 +8,6 @@ Every command has its own ``--help``; ``run`` is the default command. A failure 
 from __future__ import annotations
 
 import argparse
-import errno
 import math
 import os
 import sys
@@ -18,7 +17,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from job.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, ConfigError, JobError
+from job.errors import EXIT_CONFIG, EXIT_FAILURE, EXIT_OK, ConfigError, JobError, is_out_of_space
 from job.logs import configure_logging, get_logger, scrubber
 from job.pipeline.stop import exit_on_stop_signal
 from job.settings import JobSettings, load_settings, redact, settings_dump
@@ -244,7 +243,7 @@ def _run_command(command: str, settings: JobSettings) -> int:
         print(error_line(exc), file=sys.stderr)
         return exc.exit_code
     except OSError as exc:
-        if exc.errno != errno.ENOSPC:
+        if not is_out_of_space(exc):
             return _crashed(log, exc)
         log.error("job_error", error=str(exc), exit_code=EXIT_FAILURE)
         print(error_line(OSError(f"{exc}; committed shards are kept: free space and rerun")), file=sys.stderr)

@@ -6,6 +6,8 @@ EXIT_CONFIG to stop retrying an index that can never succeed.
 
 from __future__ import annotations
 
+import errno
+
 EXIT_OK = 0
 EXIT_FAILURE = 1  # unexpected failure; a retry may succeed (and resumes)
 EXIT_CONFIG = 2  # settings, model, data path or output unusable: fix them, retrying won't help
@@ -33,6 +35,11 @@ class StorageError(JobError):
 
 class OutOfSpace(StorageError):
     """A local disk (output, staging, shared memory) is full; committed work is kept."""
+
+
+def is_out_of_space(exc: OSError) -> bool:
+    """A full disk, or the user's quota on it spent: the same remedy (free space, run again)."""
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 class DamagedShard(JobError):

@@ -33,7 +33,6 @@ backend reads.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import fcntl
 import io
 import json
@@ -55,7 +54,7 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 from tqdm import tqdm
 
-from job.errors import ConfigError, DamagedShard, OutOfSpace
+from job.errors import ConfigError, DamagedShard, OutOfSpace, is_out_of_space
 from job.hidden_dtype import hidden_dtype
 from job.layout import MANIFEST, SPECULATORS_BACKEND, SPECULATORS_EXPORT_RECORD, index_dir_name
 from job.manifest import Manifest, ShardEntry
@@ -251,7 +250,7 @@ def export_speculators(
         except DamagedShard as exc:
             raise _unusable_source(exc) from None
         except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if not is_out_of_space(exc):
                 raise
             raise OutOfSpace(
                 f"export DST {dest}: out of space ({os.strerror(exc.errno)}) after {progress.done} of "

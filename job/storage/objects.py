@@ -15,7 +15,6 @@ The layout under ``prefix/`` is the local store's. What makes it safe to retry a
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import shutil
 import tempfile
@@ -28,7 +27,15 @@ from typing import IO, TYPE_CHECKING, Any
 from awscrt.checksums import crc64nvme
 
 from job.checksum import ALGORITHM, encode
-from job.errors import ConfigError, DamagedShard, JobError, OutOfSpace, StorageError, Superseded
+from job.errors import (
+    ConfigError,
+    DamagedShard,
+    JobError,
+    OutOfSpace,
+    StorageError,
+    Superseded,
+    is_out_of_space,
+)
 from job.layout import EXTRACTION, MANIFEST, index_dir_name, is_log, shard_name, shard_number
 from job.logs import get_logger
 from job.manifest import Checksum, StoredFile
@@ -430,7 +437,7 @@ class ObjectShardSource(ShardSource):
                 with path.open("wb") as out:
                     self._copy_checked(info, entry, out)
             except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                if not is_out_of_space(exc):
                     raise
                 raise OutOfSpace(
                     f"no space left in {directory.parent} for {self.transport.url(info.key)} "

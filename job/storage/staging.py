@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from job.errors import ConfigError, OutOfSpace
+from job.errors import ConfigError, OutOfSpace, is_out_of_space
 from job.layout import PARTIAL
 
 # Claiming a shard's blocks before anything is copied into a mapping of it turns "disk full"
@@ -113,7 +113,7 @@ def _allocate(fd: int, staged: StagedShard) -> None:
     try:
         os.posix_fallocate(fd, 0, staged.nbytes)
     except OSError as exc:
-        if exc.errno == errno.ENOSPC:
+        if is_out_of_space(exc):
             raise OutOfSpace(
                 f"no space left for shard {staged.path.name} ({staged.nbytes:,} bytes) in "
                 f"{staged.path.parent}: committed shards are kept; free space there (or lower "
