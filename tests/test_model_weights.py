@@ -196,6 +196,17 @@ def data(tmp_path_factory: pytest.TempPathFactory, write_jsonl: Callable[..., Pa
     return write_jsonl(tmp_path_factory.mktemp("weights") / "data.jsonl", [record] * 3)
 
 
+@pytest.fixture
+def run_model(run_job: Callable[..., Any], data: Path, fast_args: tuple[str, ...]) -> Callable[..., Any]:
+    """``python -m job run`` of the three-sample data on MODEL into OUT, JSON logs, on BACKEND."""
+
+    def run(model: Path, out: Path, backend: str = "hf") -> Any:
+        args = (f"--model.path={model}", f"--data.path={data}", f"--output.uri={out}", "--log.format=json")
+        return run_job("run", f"--backend.name={backend}", *args, *fast_args, env=VLLM_CPU_ENV)
+
+    return run
+
+
 def test_a_run_with_truncated_weights_exits_2_before_the_model_loads(
     run_job: Callable[..., Any], tiny_llama_dir: Path, tmp_path: Path, data: Path, fast_args: tuple[str, ...]
 ) -> None:
@@ -303,28 +314,14 @@ def test_what_cannot_be_compared_is_skipped_with_the_reason(tiny_llama_dir: Path
 
 @pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=needs_vllm)])
 def test_weights_of_other_shapes_exit_2_before_the_model_loads(
-    run_job: Callable[..., Any],
-    tiny_llama_dir: Path,
-    tmp_path: Path,
-    data: Path,
-    fast_args: tuple[str, ...],
-    backend: str,
+    run_model: Callable[..., Any], tiny_llama_dir: Path, tmp_path: Path, backend: str
 ) -> None:
     """transformers would refuse them at the load ("size mismatch"), vLLM inside its worker
     ("WorkerProc initialization failed", exit 1 after the engine's start-up): the check before
     either names the tensor and both shapes, exit 2."""
     model = copy_model(tiny_llama_dir, tmp_path / "model")
     want, got = with_a_row_less(model)
-    result = run_job(
-        "run",
-        f"--backend.name={backend}",
-        f"--model.path={model}",
-        f"--data.path={data}",
-        f"--output.uri={tmp_path / 'out'}",
-        "--log.format=json",
-        *fast_args,
-        env=VLLM_CPU_ENV,
-    )
+    result = run_model(model, tmp_path / "out", backend)
     assert result.rc == 2, result.describe()
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith(f"error: model.path {model}: 1 of 75 weight tensors do not fit its config.json"), (
@@ -336,17 +333,9 @@ def test_weights_of_other_shapes_exit_2_before_the_model_loads(
 
 
 def test_a_model_that_fits_logs_what_was_compared(
-    run_job: Callable[..., Any], tiny_llama_dir: Path, tmp_path: Path, data: Path, fast_args: tuple[str, ...]
+    run_model: Callable[..., Any], tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    out = tmp_path / "out"
-    result = run_job(
-        "run",
-        f"--model.path={tiny_llama_dir}",
-        f"--data.path={data}",
-        f"--output.uri={out}",
-        "--log.format=json",
-        *fast_args,
-    )
+    result = run_model(tiny_llama_dir, tmp_path / "out")
     assert result.rc == 0, result.describe()
     assert result.event("run_finished")["written"] == 3
     checked = result.event("run_started")["weight_shapes"]
@@ -465,29 +454,14 @@ def misfit(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ca
 @pytest.mark.parametrize("case", list(MISFITS))
 @pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=needs_vllm)])
 def test_weights_that_do_not_fit_the_architecture_exit_2_before_anything_is_written(
-    run_job: Callable[..., Any],
-    misfit: Callable[[str], Path],
-    tmp_path: Path,
-    data: Path,
-    fast_args: tuple[str, ...],
-    case: str,
-    backend: str,
+    run_model: Callable[..., Any], misfit: Callable[[str], Path], tmp_path: Path, case: str, backend: str
 ) -> None:
     """Without the check, transformers loads each of them into a partly or wholly random model
     and the run exits 0 (the next test shows what its load report says); vLLM 0.16 and 0.26 stop
     in the worker after the engine's start-up (exit 1, "a rerun resumes", see README), or load
     the layers config.json names and leave the rest out (6 layers over 8)."""
     model = misfit(case)
-    result = run_job(
-        "run",
-        f"--backend.name={backend}",
-        f"--model.path={model}",
-        f"--data.path={data}",
-        f"--output.uri={tmp_path / 'out'}",
-        "--log.format=json",
-        *fast_args,
-        env=VLLM_CPU_ENV,
-    )
+    result = run_model(model, tmp_path / "out", backend)
     assert result.rc == 2, result.describe()
     assert result.stderr.strip().splitlines() == [f"error: model.path {model}: {MISFITS[case][1]}"]
     assert not [e for e in result.events if e["event"] in ("adapter_selected", "run_started")]
