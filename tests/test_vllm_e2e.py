@@ -122,28 +122,6 @@ def test_the_preflight_passed_first_and_estimated_the_weights_the_run_built(
     print(f"\npreflight {passed['seconds']}; weights at full depth {built['weight_bytes']} bytes")
 
 
-@pytest.mark.parametrize("outputs", ["eager"], indirect=True)  # one more run is enough
-def test_a_run_without_the_preflight_writes_the_same_samples(
-    outputs: tuple[Path, Path, list[dict]], job_cache_dir: Path
-) -> None:
-    """The preflight changed nothing: without it, every sample's ids, mask and hidden states are
-    bit for bit the same (the shard files differ only in the run id they record)."""
-    with_preflight, _, _ = outputs
-    without = with_preflight.parent / "vllm-without-preflight"
-    run_vllm_job(
-        [*COMMON, f"--output.uri={without}", *VLLM, "--backend.vllm.enforce_eager=true", *NO_PREFLIGHT],
-        job_cache_dir,
-    )
-    got = {s.sample_id: s for s in iter_output(with_preflight, require_complete=True)}
-    want = {s.sample_id: s for s in iter_output(without, require_complete=True)}
-    assert got.keys() == want.keys() and len(got) > 30
-    for sample_id, ref in want.items():
-        sample = got[sample_id]
-        assert torch.equal(sample.input_ids, ref.input_ids) and torch.equal(sample.loss_mask, ref.loss_mask)
-        assert torch.equal(sample.hidden_states, ref.hidden_states), sample_id
-    print(f"\n{len(got)} samples identical with and without the preflight")
-
-
 # vLLM's worker start-up (when it imports the job's worker extension, how it names the process)
 @pytest.mark.vllm_line
 @pytest.mark.parametrize("outputs", ["eager"], indirect=True)  # no new engine
@@ -225,16 +203,20 @@ def test_batches_held_several_requests_long_prefills_were_chunked_steps_overlapp
     assert longest > TOKEN_BUDGET
 
 
-@pytest.mark.parametrize("outputs", ["compiled"], indirect=True)  # one engine start-up is enough
-def test_sigterm_while_the_engine_starts_exits_at_once_and_a_rerun_completes(
+# The rerun is also the module's one run without the preflight: one engine start-up for both.
+@pytest.mark.parametrize("outputs", ["eager"], indirect=True)
+def test_sigterm_in_the_engines_start_up_exits_at_once_and_the_rerun_skipping_the_preflight_matches(
     outputs: tuple[Path, Path, list[dict]], tmp_path: Path, job_cache_dir: Path
 ) -> None:
     """vLLM's start-up (model load, compilation, KV cache) can block for minutes and never looks
     at the job's stop flag: SIGTERM then ends the process at once, engine workers included, and
-    the output is left as a kill -9 would leave it: the rerun writes every sample once."""
-    reference, _, _ = outputs
+    the output is left as a kill -9 would leave it: the rerun writes every sample once. That rerun
+    skips the preflight, which changed nothing: every sample's ids, mask and hidden states are bit
+    for bit those of the fixture's run with it (the shard files differ only in the run id they
+    record)."""
+    with_preflight, _, _ = outputs
     out = tmp_path / "out"
-    args = [*COMMON, f"--output.uri={out}", *VLLM, *NO_PREFLIGHT]
+    args = [*COMMON, f"--output.uri={out}", *VLLM, "--backend.vllm.enforce_eager=true", *NO_PREFLIGHT]
     proc = subprocess.Popen(
         [sys.executable, "-m", "job", "run", "--log.format=json", *args],
         env=vllm_job_env(job_cache_dir, PYTHONUNBUFFERED="1"),
@@ -267,8 +249,17 @@ def test_sigterm_while_the_engine_starts_exits_at_once_and_a_rerun_completes(
     assert not left, f"child processes outlived the job: {left}"
     run_vllm_job(args, job_cache_dir)
     written = sorted(s.sample_id for s in iter_output(out))
-    assert written == sorted(s.sample_id for s in iter_output(reference))
+    assert written == sorted(s.sample_id for s in iter_output(with_preflight))
     print(f"\nSIGTERM during the engine's start-up: exit {rc} after {seconds_to_exit:.2f} s")
+
+    got = {s.sample_id: s for s in iter_output(with_preflight, require_complete=True)}
+    want = {s.sample_id: s for s in iter_output(out, require_complete=True)}
+    assert got.keys() == want.keys() and len(got) > 30
+    for sample_id, ref in want.items():
+        sample = got[sample_id]
+        assert torch.equal(sample.input_ids, ref.input_ids) and torch.equal(sample.loss_mask, ref.loss_mask)
+        assert torch.equal(sample.hidden_states, ref.hidden_states), sample_id
+    print(f"{len(got)} samples identical with and without the preflight")
 
 
 # A failure inside vLLM's worker process, whatever the host's CPU: vLLM's model runner raises
@@ -308,16 +299,18 @@ sys.meta_path.insert(0, FailTheFirstStep())
 """
 
 
-# The failed step's answer differs by line (adapters/execution.py): None on 0.16, an output lacking the
-# step's requests on 0.26.
-@pytest.mark.vllm_line
-def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(
-    tmp_path: Path, job_cache_dir: Path
-) -> None:
-    """The worker's own error is the run's error line (vLLM 0.26 answers a failed step's
-    sample_tokens with an output lacking the step's requests, which once surfaced as a KeyError
-    naming a sample), the exit code says a retry may succeed, and the rerun writes every sample."""
-    out = tmp_path / "out"
+# The reruns after a failed forward and after a killed worker are the job's own resume, the same
+# whatever the line: their tests run in stage 1 only, on the failed runs of these module fixtures.
+
+
+@pytest.fixture(scope="module")
+def failed_forward(
+    tmp_path_factory: pytest.TempPathFactory, job_cache_dir: Path
+) -> tuple[subprocess.CompletedProcess[str], list[str], list[str]]:
+    """A run whose worker's first forward fails: the process, its args (a rerun's too) and the
+    samples its output held once it had exited."""
+    scratch = tmp_path_factory.mktemp("e2e-failed-forward")
+    out = scratch / "out"
     args = [
         "--data.max_length=256",
         f"--output.uri={out}",
@@ -326,7 +319,7 @@ def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(
         "--backend.vllm.max_num_seqs=4",
         *NO_PREFLIGHT,  # it would find the failing forward first (exit 2): this is about the run's own
     ]
-    pythonpath = with_sitecustomize(tmp_path / "fail-the-first-step", FAIL_THE_FIRST_STEP)
+    pythonpath = with_sitecustomize(scratch / "fail-the-first-step", FAIL_THE_FIRST_STEP)
     proc = subprocess.run(
         [sys.executable, "-m", "job", "run", *args],
         env=vllm_job_env(job_cache_dir, PYTHONPATH=pythonpath),
@@ -334,6 +327,19 @@ def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(
         text=True,
         timeout=900,
     )
+    return proc, args, [s.sample_id for s in iter_output(out)]
+
+
+# The failed step's answer differs by line (adapters/execution.py): None on 0.16, an output lacking the
+# step's requests on 0.26.
+@pytest.mark.vllm_line
+def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(
+    failed_forward: tuple[subprocess.CompletedProcess[str], list[str], list[str]],
+) -> None:
+    """The worker's own error is the run's error line (vLLM 0.26 answers a failed step's
+    sample_tokens with an output lacking the step's requests, which once surfaced as a KeyError
+    naming a sample), the exit code says a retry may succeed, and nothing was written."""
+    proc, _, written = failed_forward
     assert proc.returncode == EXIT_FAILURE, proc.stderr[-3000:]
     # vLLM's resource tracker may report the dead worker's semaphores after it: not the last line.
     (error_line,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -342,23 +348,30 @@ def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(
         "'injected by the test: the worker's forward failed'"
     ), error_line
     assert "a rerun resumes" in error_line
-    assert list(iter_output(out)) == []
+    assert written == []
+
+
+def test_the_rerun_after_a_failed_forward_writes_every_sample(
+    failed_forward: tuple[subprocess.CompletedProcess[str], list[str], list[str]], job_cache_dir: Path
+) -> None:
+    proc, args, _ = failed_forward
+    assert proc.returncode == EXIT_FAILURE, proc.stderr[-3000:]
+    out = Path(next(a for a in args if a.startswith("--output.uri=")).split("=", 1)[1])
     events = run_vllm_job(args, job_cache_dir)
     finished = next(e for e in events if e["event"] == "run_finished")
     assert finished["status"] == "complete" and finished["written"] == len(list(iter_output(out))) > 30
 
 
-# vLLM's executor watches its workers and marks itself failed (its worker monitor, per line).
-@pytest.mark.vllm_line
-def test_a_worker_killed_mid_run_ends_the_run_naming_its_death(
-    tmp_path: Path, write_jsonl: Any, job_cache_dir: Path
-) -> None:
-    """A vLLM worker process that the kernel kills (the OOM killer at TP=8, say) ends the run with
-    an error line naming the dead worker and its signal, exit 1 (a retry may succeed), nothing half
-    written listed, and the rerun writes every sample exactly once. The worker is SIGKILLed once the
-    first shard is committed, with hundreds of samples still to go."""
+@pytest.fixture(scope="module")
+def killed_worker(
+    tmp_path_factory: pytest.TempPathFactory, write_jsonl: Any, job_cache_dir: Path
+) -> tuple[int, str, list[str], list[str], list[str]]:
+    """A run whose vLLM worker is SIGKILLed once the first shard is committed, with hundreds of
+    samples still to go: its exit code, its stderr, its args (a rerun's too), every sample id of
+    its data and the samples its output held once it had exited."""
     import psutil
 
+    scratch = tmp_path_factory.mktemp("e2e-killed-worker")
     words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "wizards"]
     records = [
         {
@@ -370,8 +383,8 @@ def test_a_worker_killed_mid_run_ends_the_run_naming_its_death(
         }
         for n in range(600)
     ]
-    data = write_jsonl(tmp_path / "data.jsonl", records)
-    out = tmp_path / "out"
+    data = write_jsonl(scratch / "data.jsonl", records)
+    out = scratch / "out"
     args = [
         f"--data.path={data}",
         "--data.max_length=256",
@@ -397,20 +410,39 @@ def test_a_worker_killed_mid_run_ends_the_run_naming_its_death(
     ]
     worker.kill()
     _rest, stderr = proc.communicate(timeout=120)
+    committed = [s.sample_id for s in iter_output(out)]
+    return proc.returncode, stderr, args, [r["id"] for r in records], committed
 
-    assert proc.returncode == EXIT_FAILURE, stderr[-3000:]
+
+# vLLM's executor watches its workers and marks itself failed (its worker monitor, per line).
+@pytest.mark.vllm_line
+def test_a_worker_killed_mid_run_ends_the_run_naming_its_death(
+    killed_worker: tuple[int, str, list[str], list[str], list[str]],
+) -> None:
+    """A vLLM worker process that the kernel kills (the OOM killer at TP=8, say) ends the run with
+    an error line naming the dead worker and its signal, exit 1 (a retry may succeed), and nothing
+    half written listed."""
+    returncode, stderr, _, ids, committed = killed_worker
+    assert returncode == EXIT_FAILURE, stderr[-3000:]
     (error_line,) = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert error_line.startswith(
         "error: unexpected failure (RuntimeError: a vLLM worker process died, and vLLM shut its "
         "executor down (VllmWorker-0 killed by SIGKILL))"
     ), error_line
     assert "a rerun resumes" in error_line
-    committed = {s.sample_id for s in iter_output(out)}
-    assert 0 < len(committed) < len(records)
+    assert 0 < len(set(committed)) < len(ids)
+    print(f"\nworker killed with {len(committed)} of {len(ids)} samples committed: exit 1")
+
+
+def test_the_rerun_after_a_killed_worker_writes_every_sample_exactly_once(
+    killed_worker: tuple[int, str, list[str], list[str], list[str]], job_cache_dir: Path
+) -> None:
+    returncode, stderr, args, ids, committed = killed_worker
+    assert returncode == EXIT_FAILURE and 0 < len(committed) < len(ids), stderr[-3000:]
+    out = Path(next(a for a in args if a.startswith("--output.uri=")).split("=", 1)[1])
     run_vllm_job(args, job_cache_dir)
     written = [s.sample_id for s in iter_output(out)]
-    assert sorted(written) == sorted(r["id"] for r in records)
-    print(f"\nworker killed with {len(committed)} of {len(records)} samples committed: exit 1")
+    assert sorted(written) == sorted(ids)
 
 
 def _alive_in_session(session: int) -> list[Any]:
