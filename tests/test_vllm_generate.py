@@ -136,8 +136,7 @@ def test_two_tensor_parallel_ranks_capture_once_and_match_the_hf_backends_greedy
 ) -> None:
     """Tensor parallelism on the CPU: two TP ranks (vLLM's multiprocessing executor, gloo), the
     preflight first at the same TP, capture on rank 0 only; greedy turns equal the HF backend's
-    token for token and hidden states within float32 tolerance (test_vllm_tp.py, which this
-    replaces, ran its own bfloat16 run against its own HF run at 2e-2). The production target is TP=8 on
+    token for token and hidden states within float32 tolerance. The production target is TP=8 on
     GPUs; the CPU build runs the same driver, worker extension and rank-0-only capture with two
     ranks, which is what can be checked here."""
     path, cache = data
