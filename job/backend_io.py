@@ -44,6 +44,13 @@ class GenerationInput:
 
 
 @dataclass(frozen=True, slots=True)
+class AbandonGenerations:
+    """The feed's last input after a stop signal: no turn generated from here on can be written
+    (the conversations under way are redone by a later run), so every generation in flight ends
+    now, without its Completion, instead of running to its end (minutes of a long answer)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
     request_id: str
     token_ids: list[int]  # as generated, a final stop token included
@@ -78,11 +85,12 @@ class Backend(ABC):
 
     @abstractmethod
     def extract(
-        self, inputs: Iterator[BackendInput | GenerationInput | None]
+        self, inputs: Iterator[BackendInput | GenerationInput | AbandonGenerations | None]
     ) -> Iterator[HiddenChunk | Completion]:
         """Hidden states for every BackendInput, in any order, chunk by chunk, and a Completion
-        for every GenerationInput. An input of None means "nothing new right now": go on with
-        pending work, then ask again."""
+        for every GenerationInput not abandoned. An input of None means "nothing new right now":
+        go on with pending work, then ask again; AbandonGenerations: end every generation in
+        flight (the BackendInputs in flight still get their rows)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free devices and worker processes."""

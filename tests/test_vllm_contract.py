@@ -75,15 +75,21 @@ def _prompt(seed: int, length: int) -> list[int]:
     return [(7 * seed + j) % 900 + 10 for j in range(length)]
 
 
-def _drive(scheduler: Any, requests: list[Any], max_steps: int = 20) -> dict[str, str]:
-    """Run the scheduler loop with a stand-in model output (one sampled token)."""
+def _model_output(scheduler_output: Any) -> Any:
+    """A stand-in model output for a scheduled step: one sampled token per request."""
     import dataclasses
 
     from vllm.v1.outputs import ModelRunnerOutput
 
+    ids = list(scheduler_output.num_scheduled_tokens)
     # req_id_to_index went in 0.34 (the scheduler finds a request by its place in req_ids)
     with_index = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+    index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if with_index else {}
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=[[5] for _ in ids], **index)
 
+
+def _drive(scheduler: Any, requests: list[Any], max_steps: int = 20) -> dict[str, str]:
+    """Run the scheduler loop with a stand-in model output (one sampled token)."""
     for request in requests:
         scheduler.add_request(request)
     finished: dict[str, str] = {}
@@ -91,9 +97,7 @@ def _drive(scheduler: Any, requests: list[Any], max_steps: int = 20) -> dict[str
         if not scheduler.get_num_unfinished_requests():
             break
         output = scheduler.schedule()
-        ids = list(output.num_scheduled_tokens)
-        index = {"req_id_to_index": {r: i for i, r in enumerate(ids)}} if with_index else {}
-        runner_output = ModelRunnerOutput(req_ids=ids, sampled_token_ids=[[5] for _ in ids], **index)
+        runner_output = _model_output(output)
         for outputs in scheduler.update_from_output(output, runner_output).values():
             for out in outputs.outputs:
                 if out.finish_reason is not None:
@@ -183,6 +187,27 @@ def test_the_scheduler_reads_its_token_budget_every_step(model_dir: Path) -> Non
     scheduler.add_request(ADAPTERS.request("long", _prompt(1, 600), prefill_sampling_params(), hasher))
     scheduler.max_num_scheduled_tokens = 100
     assert scheduler.schedule().num_scheduled_tokens["long"] == 100
+
+
+def test_a_request_aborted_while_its_step_runs_is_left_out_of_that_steps_output(model_dir: Path) -> None:
+    """What VllmBackend relies on to abandon the generations in flight at a stop: finish_requests
+    with FINISHED_ABORTED ends a request that a step still running holds, the step's output for it
+    is dropped, and the step's other requests go on to their end."""
+    from vllm import SamplingParams
+    from vllm.v1.request import RequestStatus
+
+    scheduler, vllm_config = _scheduler(model_dir, prefix_caching=False)
+    hasher = ADAPTERS.block_hasher(vllm_config, BLOCK)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, detokenize=False)
+    for name in ("abandoned", "kept"):
+        scheduler.add_request(ADAPTERS.request(name, _prompt(len(name), 20), params, hasher))
+    step = scheduler.schedule()
+    assert set(step.num_scheduled_tokens) == {"abandoned", "kept"}
+    scheduler.finish_requests(["abandoned"], RequestStatus.FINISHED_ABORTED)
+    outputs = scheduler.update_from_output(step, _model_output(step))
+    assert {o.request_id for engine in outputs.values() for o in engine.outputs} == {"kept"}
+    assert scheduler.get_num_unfinished_requests() == 1
+    assert _drive(scheduler, []) == {"kept": "length"}
 
 
 def test_the_selected_facts_hold_for_the_installed_vllm() -> None:

@@ -18,6 +18,7 @@ import pytest
 from conftest import run_vllm_job, vllm_job_env
 
 from job.compare import compare_outputs
+from job.errors import EXIT_TERMINATED
 from job.shards import iter_output
 
 if os.environ.get("REQUIRE_VLLM") != "1":
@@ -199,3 +200,45 @@ def test_seeded_sampling_ignores_batching_and_survives_kill_9(
     for sample_id, ref in want.items():
         assert np.array_equal(got[sample_id].input_ids.numpy(), ref.input_ids.numpy()), sample_id
     assert json.loads((resumed / "manifest.json").read_text())["generation"]["conversations"] == 18
+
+
+def test_sigterm_abandons_the_generations_in_flight_and_a_rerun_completes(
+    data: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A stop cannot write a turn generated after it (the conversations under way are redone by
+    the next run), so the generations in flight end at once, aborted in vLLM's scheduler, rather
+    than running to their end (minutes of a long answer on a GPU, against the pod's grace
+    period). Long turns keep generations in flight when SIGTERM arrives."""
+    path, cache = data
+    out = tmp_path / "out"
+    args = [f"--data.path={path}", *COMMON, *SAMPLED, *VLLM, *NO_PREFLIGHT, f"--output.uri={out}"]
+    args += ["--data.max_length=2048", "--generate.max_new_tokens=400", "--backend.vllm.max_num_seqs=4"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "job", "run", *args],
+        env=vllm_job_env(cache, **ONE_THREAD),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    events = []
+    for line in proc.stdout:
+        if line.startswith("{"):
+            events.append(json.loads(line))
+            if events[-1]["event"] == "shard_committed":
+                proc.send_signal(signal.SIGTERM)
+                break
+    events += [json.loads(line) for line in proc.stdout if line.startswith("{")]
+    assert proc.wait(timeout=300) == EXIT_TERMINATED
+    names = [e["event"] for e in events]
+    abandoned = events[names.index("generations_abandoned")]
+    assert names.index("generations_abandoned") < names.index("run_stopped")
+    # cut short: fewer than 400 tokens each (the tiny model, 1,024 tokens, rarely ends a turn)
+    requests, tokens = abandoned["requests"], abandoned["generated_tokens"]
+    assert requests >= 1 and tokens < 400 * requests, abandoned
+    print(f"\nSIGTERM: {requests} generations abandoned after {tokens} tokens")
+    events = run(args, cache)
+    finished = next(e for e in events if e["event"] == "run_finished")
+    assert finished["status"] == "complete"
+    manifest = json.loads((out / "index-00000" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["generation"]["conversations"] == 18

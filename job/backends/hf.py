@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from job.architecture import decoder_layers
-from job.backend_io import Backend, BackendInput, Completion, GenerationInput, HiddenChunk
+from job.backend_io import AbandonGenerations, Backend, BackendInput, Completion, GenerationInput, HiddenChunk
 from job.errors import ConfigError
 from job.hidden_dtype import HiddenDtype, hidden_dtype
 from job.model import ModelInfo
@@ -71,11 +71,11 @@ class HFBackend(Backend):
 
     @torch.inference_mode()
     def extract(
-        self, inputs: Iterator[BackendInput | GenerationInput | None]
+        self, inputs: Iterator[BackendInput | GenerationInput | AbandonGenerations | None]
     ) -> Iterator[HiddenChunk | Completion]:
         decoder = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         for item in inputs:
-            if item is None:  # nothing pending here: just ask again
+            if item is None or isinstance(item, AbandonGenerations):  # nothing in flight here
                 continue
             if isinstance(item, GenerationInput):
                 yield self._generate(item)

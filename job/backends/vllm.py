@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adapters.requests import generation_sampling_params, prefill_sampling_params
-from job.backend_io import Backend, BackendInput, Completion, GenerationInput, HiddenChunk
+from job.backend_io import (
+    AbandonGenerations,
+    Backend,
+    BackendInput,
+    Completion,
+    GenerationInput,
+    HiddenChunk,
+)
 from job.backends.vllm_engine import (
     REQUESTS,
     SCHEDULER_UPDATE,
@@ -44,7 +51,7 @@ STEPS_IN_FLIGHT = 2
 class _Loop:
     """One ``extract()`` call's state."""
 
-    source: Iterator[BackendInput | GenerationInput | None]
+    source: Iterator[BackendInput | GenerationInput | AbandonGenerations | None]
     full_step_tokens: int  # the scheduler's step size when the call began (restored at its end)
     exhausted: bool = False  # the source has nothing more
     unscheduled: int = 0  # prompt tokens added but not yet scheduled
@@ -96,6 +103,7 @@ class VllmBackend(Backend):
             "max_steps_in_flight": 0,
             "generation_requests": 0,
             "generated_tokens": 0,
+            "generations_abandoned": 0,
             "final_steps": 0,
             "largest_final_step": 0,
         }
@@ -145,7 +153,7 @@ class VllmBackend(Backend):
         return None if mode == "NONE" else list(compilation.cudagraph_capture_sizes or [])
 
     def extract(
-        self, inputs: Iterator[BackendInput | GenerationInput | None]
+        self, inputs: Iterator[BackendInput | GenerationInput | AbandonGenerations | None]
     ) -> Iterator[HiddenChunk | Completion]:
         try:
             yield from self._steps(inputs)
@@ -159,7 +167,7 @@ class VllmBackend(Backend):
             raise
 
     def _steps(
-        self, inputs: Iterator[BackendInput | GenerationInput | None]
+        self, inputs: Iterator[BackendInput | GenerationInput | AbandonGenerations | None]
     ) -> Iterator[HiddenChunk | Completion]:
         loop = _Loop(iter(inputs), full_step_tokens=self.scheduler.max_num_scheduled_tokens)
         rows = self.rows
@@ -212,7 +220,26 @@ class VllmBackend(Backend):
                 return
             if item is None:  # nothing new right now (e.g. staging full): run what is pending
                 return
+            if isinstance(item, AbandonGenerations):
+                self._abandon_generations()
+                continue
             loop.unscheduled += self._admit(item)
+
+    def _abandon_generations(self) -> None:
+        """End every generation in flight as vLLM aborts a request (a step in flight may still
+        hold one: its output for a request no longer known is dropped by the scheduler)."""
+        from vllm.v1.request import RequestStatus
+
+        if not self._generating:
+            return
+        self.scheduler.finish_requests(list(self._generating), RequestStatus.FINISHED_ABORTED)
+        self.log.info(
+            "generations_abandoned",
+            requests=len(self._generating),
+            generated_tokens=sum(len(tokens) for _, tokens in self._generating.values()),
+        )
+        self.stats["generations_abandoned"] += len(self._generating)
+        self._generating.clear()
 
     def _submit(self, loop: _Loop) -> int:
         """Schedule one step and queue it on the workers; returns its tokens."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from job.backend_io import BackendInput, GenerationInput
+from job.backend_io import AbandonGenerations, BackendInput, GenerationInput
 from job.data.encode import EncodedSample, GenerationStart, RejectedSample
 from job.generate.stage import Regenerator
 from job.pipeline.stop import StopFlag
@@ -91,7 +91,7 @@ class BackendFeed:
         self.planned_tokens = 0
         self.all_planned = False  # the input ran out (not a stop): planned_tokens is the total
 
-    def __iter__(self) -> Iterator[BackendInput | GenerationInput | None]:
+    def __iter__(self) -> Iterator[BackendInput | GenerationInput | AbandonGenerations | None]:
         samples = iter(self._samples)
         exhausted = False
         regenerator = self._regenerator
@@ -114,6 +114,8 @@ class BackendFeed:
             else:
                 yield from self._plan(item)
         if self._stop.is_set():
+            if regenerator is not None:
+                yield AbandonGenerations()
             return
         self.all_planned = True
         for plan in self._planner.flush():
