@@ -7,10 +7,12 @@
 #       the pipeline, every phase time-boxed within BUDGET seconds; then as `wait 540`
 #   bash .ci/gpu-acceptance-run.sh wait SECONDS
 #       until the pipeline ends or SECONDS pass; its logs, state and rows go to $OUT
-# Phases: the training data beside the held-out answers; then three chains at once (FP8 storage,
-# export, train job_fp8 | export, train job_bf16 | vLLM's extractor, train vllm_extractor); then
-# serving, the offline check, the report. Engines take a fixed KV cache (kv_cache_memory_bytes):
-# one started beside others counts their memory against its gpu_memory_utilization while it profiles.
+# Phases: the training data beside the held-out answers; then a chain per variant at once (FP8
+# storage, export, train job_fp8 | export, train job_bf16 | vLLM's extractor, train
+# vllm_extractor); then serving, the offline check, the report. ACC_VARIANTS (unset: job_fp8
+# vllm_extractor) adds variants to job_bf16, whose draft is also served with shifted layers.
+# Engines take a fixed KV cache (kv_cache_memory_bytes): one started beside others counts their
+# memory against its gpu_memory_utilization while it profiles.
 # Measured (H100, 2026-12-07, docs/acceptance.md): the whole pipeline 11 min 47 s; data of 4,066
 # prompts 170 s, FP8 61 s, extractor 93 s, three 10-epoch trainings at once 5.0-5.4 min each,
 # nine serving engines at once 73 s.
@@ -30,9 +32,12 @@ pipeline() {
   shift
   [ "${1:-}" = -- ] && shift
   local end=$(($(date +%s) + budget))
+  local variants=" job_bf16 ${ACC_VARIANTS-job_fp8 vllm_extractor} "
+  has() { [[ $variants == *" $1 "* ]]; }
   # the budget of every variant's draft; speculators' own lr (its default, 1e-3)
+  # $variants unquoted: a word each
   set -- --train-max-new-tokens 256 --epochs 10 --lr 1e-3 --train-arg=--draft-attn-impl=sdpa \
-    --train-arg=--loss-implementation=eager --train-arg=--num-workers=4 "$@"
+    --train-arg=--loss-implementation=eager --train-arg=--num-workers=4 --variants $variants "$@"
   echo "work in $ACC_WORK; acceptance args: $*"
   # box MAX [RESERVE]: a phase's limit, at most MAX s, leaving RESERVE s for what comes after it
   box() { local l=$((end - $(date +%s) - ${2:-0})); ((l < 5)) && l=5; ((l < $1)) && echo $l || echo "$1"; }
@@ -55,11 +60,11 @@ pipeline() {
   local trained=$((end - 300)) # training stops here: serving and the report need the rest
   step heldout "$(box 300 600)" heldout -- "${job[@]}" "$@" \
     "--job-arg=--backend.vllm.engine_args={\"kv_cache_memory_bytes\": 2000000000}" &
-  step data "$(box 400 600)" data -- "${job[@]}" "$@" \
+  step data "$(box 900 600)" data -- "${job[@]}" "$@" \
     "--job-arg=--backend.vllm.engine_args={\"kv_cache_memory_bytes\": 8000000000}"
   wait
   until_trained() { local l=$((trained - $(date +%s))); ((l < 5)) && l=5; echo $l; }
-  {
+  has job_fp8 && {
     step fp8 "$(until_trained)" fp8 -- "${job[@]}" "$@" \
       "--job-arg=--backend.vllm.engine_args={\"kv_cache_memory_bytes\": 4000000000}"
     step export-fp8 "$(until_trained)" export -- "$@" --variants job_fp8
@@ -67,7 +72,7 @@ pipeline() {
   } &
   {
     step export-bf16 "$(until_trained)" export -- "$@" --variants job_bf16
-    {
+    has vllm_extractor && {
       step extractor "$(until_trained)" extractor -- "$@" --gpu-memory-utilization 0.1 "$(kv 4000000000)"
       step train-extractor "$(until_trained)" train -- "$@" --variants vllm_extractor
     } &

