@@ -64,6 +64,19 @@ def run(args: list[str], cache: Path, **extra: str) -> list[dict[str, Any]]:
     return run_vllm_job(args, cache, **ONE_THREAD, **extra)
 
 
+def start(args: list[str], cache: Path) -> subprocess.Popen[str]:
+    """``python -m job run`` in a process group of its own (with the engine's processes), its
+    JSON log lines on stdout."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "job", "run", *args],
+        env=vllm_job_env(cache, **ONE_THREAD),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def samples(index_dir: Path) -> dict[str, Any]:
     return {s.sample_id: s for s in iter_output(index_dir, require_complete=True)}
 
@@ -175,14 +188,7 @@ def test_seeded_sampling_ignores_batching_and_survives_kill_9(
     base = [f"--data.path={path}", *COMMON, *SAMPLED, *VLLM, *NO_PREFLIGHT]
     run([*base, f"--output.uri={tmp_path / 'whole'}", "--backend.vllm.max_num_seqs=4"], cache)
     killed = [*base, f"--output.uri={tmp_path / 'killed'}", "--backend.vllm.max_num_seqs=2"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "job", "run", *killed],
-        env=vllm_job_env(cache, **ONE_THREAD),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start(killed, cache)
     assert proc.stdout is not None
     for line in proc.stdout:
         if '"shard_committed"' in line:
@@ -213,13 +219,7 @@ def test_sigterm_abandons_the_generations_in_flight_and_a_rerun_completes(
     out = tmp_path / "out"
     args = [f"--data.path={path}", *COMMON, *SAMPLED, *VLLM, *NO_PREFLIGHT, f"--output.uri={out}"]
     args += ["--data.max_length=2048", "--generate.max_new_tokens=400", "--backend.vllm.max_num_seqs=4"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "job", "run", *args],
-        env=vllm_job_env(cache, **ONE_THREAD),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    proc = start(args, cache)
     assert proc.stdout is not None
     events = []
     for line in proc.stdout:
