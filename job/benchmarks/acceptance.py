@@ -297,18 +297,11 @@ def _samples(output: Path) -> Iterator[Any]:
 def _token_rows(output: Path) -> Iterator[tuple[str, Any, Any, Callable[[], Any]]]:
     """(sample id, input ids, loss mask, a call that reads the whole sample) of every listed
     sample, its hidden states unread unless called for (GBs on the GPU's data)."""
-    from job.shards.access import OutputReader
+    from job.shards.reader import iter_listed_shards
 
-    reader = OutputReader(output)
-    try:
-        for index in reader.index_names():
-            manifest = reader.manifest(index)
-            for entry in manifest.shards if manifest else []:
-                shard = reader.shard(index, entry.name, entry)
-                for position, sample_id in enumerate(shard.sample_ids):
-                    yield (sample_id, *shard.token_ids(position), partial(shard.sample, position))
-    finally:
-        reader.close()
+    for shard in iter_listed_shards(output):
+        for position, sample_id in enumerate(shard.sample_ids):
+            yield (sample_id, *shard.token_ids(position), partial(shard.sample, position))
 
 
 # ----------------------------------------------------------------------------------------- export

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from job.hidden_dtype import hidden_dtype
 from job.layout import MANIFEST
 from job.manifest import Manifest
-from job.shards.access import OutputReader, Sample
+from job.shards.access import OutputReader, Sample, ShardRows
 from job.shards.format import FORMAT_VERSION
 
 
@@ -93,6 +93,16 @@ def iter_output(
     """Samples of every shard listed in the manifests of ``output`` (an output or one index: a
     directory, or an object-store URI, whose shards are always verified); ``setting`` names the
     argument in errors."""
+    for shard in iter_listed_shards(output, require_complete, verify, setting=setting):
+        for position in range(len(shard)):
+            yield shard.sample(position)
+
+
+def iter_listed_shards(
+    output: str | Path, require_complete: bool = False, verify: bool = True, *, setting: str = "iter_output"
+) -> Iterator[ShardRows]:
+    """Every shard listed in the manifests of ``output``, in index and manifest order, its
+    samples unread (``iter_output``'s arguments)."""
     reader = OutputReader(output, verify=verify, setting=setting)
     try:
         for index in reader.index_names():
@@ -102,8 +112,6 @@ def iter_output(
             if require_complete and not manifest.complete:
                 raise ValueError(f"{reader.location}/{index}: manifest is not complete")
             for entry in manifest.shards:
-                shard = reader.shard(index, entry.name, entry)
-                for position in range(len(shard)):
-                    yield shard.sample(position)
+                yield reader.shard(index, entry.name, entry)
     finally:
         reader.close()
