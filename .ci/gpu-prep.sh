@@ -8,7 +8,8 @@
 #   bash .ci/gpu-prep.sh acceptance [PROMPTS ARGS...]   adds what .ci/gpu-acceptance.sh needs
 #       (.real-model/, ignored); the training prompts `python -m job.benchmarks.acceptance prompts`
 #       makes with PROMPTS ARGS (default: --prompt-sets eval sharegpt, 10,462 prompts, one answer
-#       each; the run of 2026-12-07 had --prompt-sets eval --samples-per-prompt 2)
+#       each, as in the second run of 2026-12-07; the first had --prompt-sets eval
+#       --samples-per-prompt 2)
 # Then carry ".whl" in the call with the bundle's last part (docs/gpu.md).
 set -euo pipefail
 out=.whl
