@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -303,12 +304,20 @@ sys.meta_path.insert(0, FailTheFirstStep())
 # whatever the line: their tests run in stage 1 only, on the failed runs of these module fixtures.
 
 
+@dataclass(frozen=True)
+class FailedRun:
+    """A run made to fail, once it had exited."""
+
+    returncode: int
+    stderr: str
+    args: list[str]  # a rerun's too
+    out: Path
+    committed: list[str]  # the sample ids its output held
+
+
 @pytest.fixture(scope="module")
-def failed_forward(
-    tmp_path_factory: pytest.TempPathFactory, job_cache_dir: Path
-) -> tuple[subprocess.CompletedProcess[str], list[str], list[str]]:
-    """A run whose worker's first forward fails: the process, its args (a rerun's too) and the
-    samples its output held once it had exited."""
+def failed_forward(tmp_path_factory: pytest.TempPathFactory, job_cache_dir: Path) -> FailedRun:
+    """A run whose worker's first forward fails."""
     scratch = tmp_path_factory.mktemp("e2e-failed-forward")
     out = scratch / "out"
     args = [
@@ -327,61 +336,61 @@ def failed_forward(
         text=True,
         timeout=900,
     )
-    return proc, args, [s.sample_id for s in iter_output(out)]
+    return FailedRun(proc.returncode, proc.stderr, args, out, [s.sample_id for s in iter_output(out)])
 
 
 # The failed step's answer differs by line (adapters/execution.py): None on 0.16, an output lacking the
 # step's requests on 0.26.
 @pytest.mark.vllm_line
 def test_a_forward_failing_in_the_worker_ends_the_run_with_the_workers_error(
-    failed_forward: tuple[subprocess.CompletedProcess[str], list[str], list[str]],
+    failed_forward: FailedRun,
 ) -> None:
     """The worker's own error is the run's error line (vLLM 0.26 answers a failed step's
     sample_tokens with an output lacking the step's requests, which once surfaced as a KeyError
     naming a sample), the exit code says a retry may succeed, and nothing was written."""
-    proc, _, written = failed_forward
-    assert proc.returncode == EXIT_FAILURE, proc.stderr[-3000:]
+    assert failed_forward.returncode == EXIT_FAILURE, failed_forward.stderr[-3000:]
     # vLLM's resource tracker may report the dead worker's semaphores after it: not the last line.
-    (error_line,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    (error_line,) = [line for line in failed_forward.stderr.splitlines() if line.startswith("error: ")]
     assert error_line.startswith(
         "error: unexpected failure (RuntimeError: Worker failed with error "
         "'injected by the test: the worker's forward failed'"
     ), error_line
     assert "a rerun resumes" in error_line
-    assert written == []
+    assert failed_forward.committed == []
 
 
 def test_the_rerun_after_a_failed_forward_writes_every_sample(
-    failed_forward: tuple[subprocess.CompletedProcess[str], list[str], list[str]], job_cache_dir: Path
+    failed_forward: FailedRun, job_cache_dir: Path
 ) -> None:
-    proc, args, _ = failed_forward
-    assert proc.returncode == EXIT_FAILURE, proc.stderr[-3000:]
-    out = Path(next(a for a in args if a.startswith("--output.uri=")).split("=", 1)[1])
-    events = run_vllm_job(args, job_cache_dir)
+    assert failed_forward.returncode == EXIT_FAILURE, failed_forward.stderr[-3000:]
+    events = run_vllm_job(failed_forward.args, job_cache_dir)
     finished = next(e for e in events if e["event"] == "run_finished")
-    assert finished["status"] == "complete" and finished["written"] == len(list(iter_output(out))) > 30
+    written = len(list(iter_output(failed_forward.out)))
+    assert finished["status"] == "complete" and finished["written"] == written > 30
+
+
+KILLED_WORKER_IDS = [f"long-{n:04d}" for n in range(600)]  # the killed worker's run's data
 
 
 @pytest.fixture(scope="module")
 def killed_worker(
     tmp_path_factory: pytest.TempPathFactory, write_jsonl: Any, job_cache_dir: Path
-) -> tuple[int, str, list[str], list[str], list[str]]:
+) -> FailedRun:
     """A run whose vLLM worker is SIGKILLed once the first shard is committed, with hundreds of
-    samples still to go: its exit code, its stderr, its args (a rerun's too), every sample id of
-    its data and the samples its output held once it had exited."""
+    samples still to go."""
     import psutil
 
     scratch = tmp_path_factory.mktemp("e2e-killed-worker")
     words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "wizards"]
     records = [
         {
-            "id": f"long-{n:04d}",
+            "id": sample_id,
             "conversations": [
                 {"from": "human", "value": " ".join(words[(n + i) % len(words)] for i in range(60))},
                 {"from": "gpt", "value": " ".join(words[(n * 7 + i) % len(words)] for i in range(120))},
             ],
         }
-        for n in range(600)
+        for n, sample_id in enumerate(KILLED_WORKER_IDS)
     ]
     data = write_jsonl(scratch / "data.jsonl", records)
     out = scratch / "out"
@@ -410,39 +419,36 @@ def killed_worker(
     ]
     worker.kill()
     _rest, stderr = proc.communicate(timeout=120)
-    committed = [s.sample_id for s in iter_output(out)]
-    return proc.returncode, stderr, args, [r["id"] for r in records], committed
+    return FailedRun(proc.returncode, stderr, args, out, [s.sample_id for s in iter_output(out)])
 
 
 # vLLM's executor watches its workers and marks itself failed (its worker monitor, per line).
 @pytest.mark.vllm_line
-def test_a_worker_killed_mid_run_ends_the_run_naming_its_death(
-    killed_worker: tuple[int, str, list[str], list[str], list[str]],
-) -> None:
+def test_a_worker_killed_mid_run_ends_the_run_naming_its_death(killed_worker: FailedRun) -> None:
     """A vLLM worker process that the kernel kills (the OOM killer at TP=8, say) ends the run with
     an error line naming the dead worker and its signal, exit 1 (a retry may succeed), and nothing
     half written listed."""
-    returncode, stderr, _, ids, committed = killed_worker
-    assert returncode == EXIT_FAILURE, stderr[-3000:]
-    (error_line,) = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert killed_worker.returncode == EXIT_FAILURE, killed_worker.stderr[-3000:]
+    (error_line,) = [line for line in killed_worker.stderr.splitlines() if line.startswith("error: ")]
     assert error_line.startswith(
         "error: unexpected failure (RuntimeError: a vLLM worker process died, and vLLM shut its "
         "executor down (VllmWorker-0 killed by SIGKILL))"
     ), error_line
     assert "a rerun resumes" in error_line
-    assert 0 < len(set(committed)) < len(ids)
-    print(f"\nworker killed with {len(committed)} of {len(ids)} samples committed: exit 1")
+    committed = killed_worker.committed
+    assert 0 < len(set(committed)) < len(KILLED_WORKER_IDS)
+    print(f"\nworker killed with {len(committed)} of {len(KILLED_WORKER_IDS)} samples committed: exit 1")
 
 
 def test_the_rerun_after_a_killed_worker_writes_every_sample_exactly_once(
-    killed_worker: tuple[int, str, list[str], list[str], list[str]], job_cache_dir: Path
+    killed_worker: FailedRun, job_cache_dir: Path
 ) -> None:
-    returncode, stderr, args, ids, committed = killed_worker
-    assert returncode == EXIT_FAILURE and 0 < len(committed) < len(ids), stderr[-3000:]
-    out = Path(next(a for a in args if a.startswith("--output.uri=")).split("=", 1)[1])
-    run_vllm_job(args, job_cache_dir)
-    written = [s.sample_id for s in iter_output(out)]
-    assert sorted(written) == sorted(ids)
+    committed = killed_worker.committed
+    assert killed_worker.returncode == EXIT_FAILURE, killed_worker.stderr[-3000:]
+    assert 0 < len(committed) < len(KILLED_WORKER_IDS)
+    run_vllm_job(killed_worker.args, job_cache_dir)
+    written = [s.sample_id for s in iter_output(killed_worker.out)]
+    assert sorted(written) == sorted(KILLED_WORKER_IDS)
 
 
 def _alive_in_session(session: int) -> list[Any]:
