@@ -1,8 +1,8 @@
 """The serving contract at CPU scale: a draft trained on the job's data, served by vLLM's own EAGLE-3.
 
 ``python -m job.benchmarks.acceptance`` as it runs on a GPU, cut down to this machine: the real
-SmolLM2-135M-Instruct (builtin:smollm2-135m-instruct) answers 8 MT-bench prompts greedily through
-the job on vLLM, speculators trains a draft on the job's reference export (on the CPU:
+SmolLM2-135M-Instruct (builtin:smollm2-135m-instruct), in float32, answers 8 MT-bench prompts
+greedily through the job on vLLM, speculators trains a draft on the job's reference export (on the CPU:
 tests/speculators_cpu.py), and vLLM decodes the same prompts with that draft at k = 1 and
 temperature 0, and with the same draft's auxiliary layer ids shifted by one. A CPU-sized training
 only gets tokens accepted by learning the very answers it is served on, so this draft does: the
@@ -70,6 +70,9 @@ def test_vllm_accepts_what_the_draft_predicts_offline_and_a_layer_slip_shows(
         "--train-arg=--hidden-states-dtype=float32", "--train-arg=--checkpoint-freq=25",
         "--epochs", "25", "--lr", "1e-3", "--draft-vocab-size", "4096", "--total-seq-len", "2048",
         "--k", "1", "--temperatures", "0", "--per-prompt", "--engine-args", engine,
+        # float32: in bf16 a near-tie flips a greedy answer between the job's decoding and spec
+        # decoding's verification (CI's CPU, 2026-12-07: 3 of 8 answers, 2 % of stored positions)
+        "--dtype", "float32",
     ]  # fmt: skip
     env = {**job_env, **VLLM_CPU_ENV}
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=2400)
@@ -80,25 +83,29 @@ def test_vllm_accepts_what_the_draft_predicts_offline_and_a_layer_slip_shows(
     shifted = json.loads((work / "serve" / "job_bf16_shifted_layers-k1.json").read_text())["runs"][0]
     online = right["acceptance_per_position"][0]
     walks = offline["k1_per_sample"]
-    same = [i for i, counts in right["per_prompt"].items() if counts == walks[i]]
+    # where vLLM decoded another answer than the stored one, the walk over the stored one is moot
+    as_stored = [i for i in walks if i not in right["other_answers"]]
+    same = [i for i in as_stored if right["per_prompt"][i] == walks[i]]
     same_shifted = [i for i, counts in shifted["per_prompt"].items() if counts == walks[i]]
     print(
         f"\noffline k=1 {offline['k1_acceptance']} ({offline['k1_drafts']} drafts), online {online} "
-        f"({right['drafts']}), shifted {shifted['acceptance_per_position'][0]}; prompts with the same "
-        f"drafts and acceptances online as offline: {len(same)}/{len(walks)}, shifted "
-        f"{len(same_shifted)}/{len(walks)}; greedy answers as stored: {right['same_answers']}/{len(walks)}"
+        f"({right['drafts']}), shifted {shifted['acceptance_per_position'][0]}; greedy answers as "
+        f"stored: {len(as_stored)}/{len(walks)}; of those, the same drafts and acceptances online as "
+        f"offline: {len(same)}, shifted {len(same_shifted)}/{len(walks)}"
     )
     summary = f"offline {offline}, online {right}, shifted {shifted}"
-    # the stored final layer is the target's own: its head's argmax is the greedy answer
-    assert offline["target_agreement"] > 0.95, summary
-    # spec decoding decodes what the job stored, and the draft learned it: a slip could show
-    assert right["same_answers"] >= 6, summary
+    # the stored final layer is the target's own: its head's argmax is the greedy answer (float32:
+    # measured 1.0; a layer or position slip of the final state drops it far)
+    assert offline["target_agreement"] > 0.99, summary
+    # spec decoding decodes what the job stored (float32: 8 of 8), and the draft learned it
+    assert len(as_stored) >= 7, summary
     assert offline["k1_acceptance"] > 0.4, summary
     # the contract: vLLM accepts, prompt by prompt, what the draft predicts from our stored states
-    # (measured: 8 of 8 prompts the same, 0.7872 both, 2026-12-07)
+    # (measured on this 2-core machine, twice: all 8 prompts the same, 0.7676 both, 2026-12-07);
+    # one prompt may differ by a float32 near-tie of the draft
     assert abs(online - offline["k1_acceptance"]) <= 0.03, summary
-    assert len(same) >= 6, summary
+    assert len(same) >= len(as_stored) - 1, summary
     # a slip of one layer shows: the shifted draft accepts less and on other positions (measured:
-    # 0.726, 1 of 8 prompts the same)
+    # 0.7431, 5 of 8 prompts differ; the draft also reads the tokens it memorized, so not all do)
     assert shifted["acceptance_per_position"][0] < online, summary
-    assert len(same_shifted) <= len(walks) // 2, summary
+    assert len(walks) - len(same_shifted) >= 3, summary
