@@ -53,21 +53,20 @@ pipeline() {
   while [ ! -f /opt/vb/unpacked ] && (($(date +%s) < end)); do sleep 1; done
   echo "$(date +%T) bundle unpacked"
   bash .ci/gpu-wheels.sh .whl /tmp/site || return 1 # once, before the steps share /tmp/site
+  # kv BYTES / job_kv BYTES: a KV cache of BYTES for serving and the extractor / the job's engine
   kv() { echo "--engine-args={\"kv_cache_memory_bytes\": $1}"; }
+  job_kv() { echo "--job-arg=--backend.vllm.engine_args={\"kv_cache_memory_bytes\": $1}"; }
   local job=(--job-arg=--backend.name=vllm --job-arg=--backend.vllm.enforce_eager=true
     --job-arg=--backend.vllm.max_num_seqs=512 --job-arg=--backend.vllm.gpu_memory_utilization=0.1)
   local serving=(--gpu-memory-utilization 0.1 --engine-args
     '{"enforce_eager": true, "kv_cache_memory_bytes": 2000000000}')
   local trained=$((end - 300)) # training stops here: serving and the report need the rest
-  step heldout "$(box 300 600)" heldout -- "${job[@]}" "$@" \
-    "--job-arg=--backend.vllm.engine_args={\"kv_cache_memory_bytes\": 2000000000}" &
-  step data "$(box 900 600)" data -- "${job[@]}" "$@" \
-    "--job-arg=--backend.vllm.engine_args={\"kv_cache_memory_bytes\": 8000000000}"
+  step heldout "$(box 300 600)" heldout -- "${job[@]}" "$@" "$(job_kv 2000000000)" &
+  step data "$(box 900 600)" data -- "${job[@]}" "$@" "$(job_kv 8000000000)"
   wait
   until_trained() { local l=$((trained - $(date +%s))); ((l < 5)) && l=5; echo $l; }
   has job_fp8 && {
-    step fp8 "$(until_trained)" fp8 -- "${job[@]}" "$@" \
-      "--job-arg=--backend.vllm.engine_args={\"kv_cache_memory_bytes\": 4000000000}"
+    step fp8 "$(until_trained)" fp8 -- "${job[@]}" "$@" "$(job_kv 4000000000)"
     step export-fp8 "$(until_trained)" export -- "$@" --variants job_fp8
     step train-fp8 "$(until_trained)" train -- "$@" --variants job_fp8
   } &
