@@ -105,7 +105,8 @@ def test_vllm_accepts_what_the_draft_predicts_offline_and_a_layer_slip_shows(
     # one prompt may differ by a float32 near-tie of the draft
     assert abs(online - offline["k1_acceptance"]) <= 0.03, summary
     assert len(same) >= len(as_stored) - 1, summary
-    # a slip of one layer shows: the shifted draft accepts less and on other positions (measured:
-    # 0.7431, 5 of 8 prompts differ; the draft also reads the tokens it memorized, so not all do)
-    assert shifted["acceptance_per_position"][0] < online, summary
+    # a slip of one layer shows: the shifted draft accepts on other positions (measured with the
+    # trainer's seeds 0, 1, 2: 5, 6, 5 of 8 prompts differ; the draft also reads the tokens of the
+    # answers it learned by heart, so not all do, and its rate may come out near the right one's:
+    # 0.7431 against 0.75 with seed 1)
     assert len(walks) - len(same_shifted) >= 3, summary
