@@ -537,6 +537,9 @@ def serve_one(args: argparse.Namespace) -> None:
         drafts = after["drafts"] - before["drafts"]
         per_position = [a - b for a, b in zip(after["per_position"], before["per_position"], strict=True)]
         accepted = after["accepted"] - before["accepted"]
+        # the prompts answered otherwise than the held-out output stores (at temperature 0: the
+        # same greedy decoding, so none but near-ties)
+        other_answers = [i for i in prompts if answers[i] != prompts[i]["answer"]]
         run: dict[str, Any] = {
             "temperature": temperature,
             "drafts": drafts,
@@ -545,13 +548,12 @@ def serve_one(args: argparse.Namespace) -> None:
             "mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else None,
             "acceptance_per_position": [round(n / drafts, 4) for n in per_position] if drafts else [],
             "generated_tokens": sum(map(len, answers.values())),
-            # at temperature 0, the answers the held-out output stores (the same greedy decoding)
-            "same_answers": sum(answers[i] == prompts[i]["answer"] for i in prompts),
+            "same_answers": len(prompts) - len(other_answers),
             "seconds": round(seconds, 2),
         }
         if per_prompt:
             run["per_prompt"] = per_prompt
-            run["other_answers"] = [i for i in prompts if answers[i] != prompts[i]["answer"]]
+            run["other_answers"] = other_answers
         results.append(run)
     Path(args.result).write_text(
         json.dumps({"draft": args.draft, "k": args.k_one, "runs": results}, indent=1)
