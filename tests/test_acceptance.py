@@ -86,12 +86,14 @@ def test_vllm_accepts_what_the_draft_predicts_offline_and_a_layer_slip_shows(
     # where vLLM decoded another answer than the stored one, the walk over the stored one is moot
     as_stored = [i for i in walks if i not in right["other_answers"]]
     same = [i for i in as_stored if right["per_prompt"][i] == walks[i]]
-    same_shifted = [i for i, counts in shifted["per_prompt"].items() if counts == walks[i]]
+    shifted_as_stored = [i for i in walks if i not in shifted["other_answers"]]
+    shifted_differ = [i for i in shifted_as_stored if shifted["per_prompt"][i] != walks[i]]
     print(
         f"\noffline k=1 {offline['k1_acceptance']} ({offline['k1_drafts']} drafts), online {online} "
         f"({right['drafts']}), shifted {shifted['acceptance_per_position'][0]}; greedy answers as "
         f"stored: {len(as_stored)}/{len(walks)}; of those, the same drafts and acceptances online as "
-        f"offline: {len(same)}, shifted {len(same_shifted)}/{len(walks)}"
+        f"offline: {len(same)}; shifted: {len(shifted_as_stored)} as stored, {len(shifted_differ)} of them "
+        f"with other counts"
     )
     summary = f"offline {offline}, online {right}, shifted {shifted}"
     # the stored final layer is the target's own: its head's argmax is the greedy answer (float32:
@@ -101,12 +103,12 @@ def test_vllm_accepts_what_the_draft_predicts_offline_and_a_layer_slip_shows(
     assert len(as_stored) >= 7, summary
     assert offline["k1_acceptance"] > 0.4, summary
     # the contract: vLLM accepts, prompt by prompt, what the draft predicts from our stored states
-    # (measured on this 2-core machine, twice: all 8 prompts the same, 0.7676 both, 2026-12-07);
-    # one prompt may differ by a float32 near-tie of the draft
+    # (measured on this 2-core machine, 2026-12-07: all 8 prompts the same in each of 6 runs,
+    # 0.7676 both in three of them); one prompt may differ by a float32 near-tie of the draft
     assert abs(online - offline["k1_acceptance"]) <= 0.03, summary
     assert len(same) >= len(as_stored) - 1, summary
-    # a slip of one layer shows: the shifted draft accepts on other positions (measured with the
-    # trainer's seeds 0, 1, 2: 5, 6, 5 of 8 prompts differ; the draft also reads the tokens of the
-    # answers it learned by heart, so not all do, and its rate may come out near the right one's:
-    # 0.7431 against 0.75 with seed 1)
-    assert len(walks) - len(same_shifted) >= 3, summary
+    # a slip of one layer shows: the shifted draft accepts on other positions, on prompts it too
+    # answered as stored (measured with the trainer's seeds 0, 1, 2: 8 as stored, 5, 6, 5 differ;
+    # the draft also reads the tokens of the answers it learned by heart, so not all do, and its
+    # rate may come out near the right one's: 0.7431 against 0.75 with seed 1)
+    assert len(shifted_differ) >= 3, summary
