@@ -101,7 +101,8 @@ def _inspect_output(source: ShardSource, verify: bool) -> Report:
             lines.append(
                 f"  regenerated ({', '.join(f'{k} {v}' for k, v in how.items())}): {g.conversations} "
                 f"conversations, {g.turns} turns, {g.generated_tokens} tokens generated, "
-                f"{g.cut_by_length} turns cut by length"
+                f"{g.cut_by_length} turns cut by length, {g.turns_not_generated} not generated (no room left "
+                "within data.max_length)"
             )
         for entry in manifest.shards:
             status, fine = _check(source, index.name, entry, verify)

@@ -41,6 +41,7 @@ class GenerationCounts(BaseModel):
     turns: int = 0
     generated_tokens: int = 0
     cut_by_length: int = 0  # turns that ended at generate.max_new_tokens or data.max_length
+    turns_not_generated: int = 0  # after a turn that filled data.max_length (data.too_long: truncate)
 
     def add(self, other: GenerationCounts, sign: int = 1) -> None:
         for field in GenerationCounts.model_fields:

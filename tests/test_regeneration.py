@@ -26,7 +26,7 @@ from conftest import THINKING_TEMPLATE
 from job.backend_io import Completion, GenerationInput
 from job.data.encode import EncodedSample, EncoderSpec, GenerationStart, RejectedSample, SampleEncoder
 from job.generate.sampling import resolve_sampling
-from job.generate.stage import Regenerator
+from job.generate.stage import Regenerator, generation_counts
 from job.settings import GenerateSettings
 from job.shards import Shard, iter_output
 
@@ -50,13 +50,14 @@ def make_regenerator(
     on_length: str = "keep",
     max_new_tokens: int = 64,
     chat_template: str | None = None,
+    too_long: str = "truncate",
 ) -> Regenerator:
     spec = EncoderSpec(
         str(model_dir),
         chat_template,
         "auto",
         max_length,
-        "truncate",
+        too_long,
         1024,
         reasoning_in_loss,
         generate_mode=mode,
@@ -178,24 +179,59 @@ def test_a_turn_cut_by_length_is_kept_or_rejected_per_on_length(tiny_llama_dir: 
             assert regenerator.take_records(["s"]) == []
 
 
-def test_data_max_length_bounds_every_turn_and_a_full_conversation_is_rejected(tiny_llama_dir: Path) -> None:
+def test_data_max_length_bounds_every_turn_and_a_full_conversation_follows_too_long(
+    tiny_llama_dir: Path,
+) -> None:
     probe = make_regenerator(tiny_llama_dir, "all_turns")
     first_prompt = len(
         probe.encoder.tokenize(probe.encoder.render(CONVERSATION[:2], None, generation_prompt=True))
     )
     max_length = first_prompt + 8
-    regenerator = make_regenerator(tiny_llama_dir, "all_turns", max_length=max_length)
-    start = regenerator.encoder.encode("s", {"messages": CONVERSATION}, None)
-    assert isinstance(start, GenerationStart)
-    regenerator.start(start)
-    request = regenerator.ready.popleft()
-    assert request.max_new_tokens == 8  # data.max_length, not max_new_tokens (64), bounds the turn
-    regenerator.complete(Completion(request.request_id, [7] * 8, "length"))
-    rejected = regenerator.finished.popleft()
-    assert isinstance(rejected, RejectedSample)
-    assert (
-        "no room to generate turn 2" in rejected.reason and f"data.max_length {max_length}" in rejected.reason
+    for too_long in ("truncate", "skip"):
+        regenerator = make_regenerator(tiny_llama_dir, "all_turns", max_length=max_length, too_long=too_long)
+        start = regenerator.encoder.encode("s", {"messages": CONVERSATION}, None)
+        assert isinstance(start, GenerationStart)
+        regenerator.start(start)
+        request = regenerator.ready.popleft()
+        assert request.max_new_tokens == 8  # data.max_length, not max_new_tokens (64), bounds the turn
+        regenerator.complete(Completion(request.request_id, [7] * 8, "length"))
+        # The first turn filled data.max_length: no request for the second.
+        assert not regenerator.ready and regenerator.active == 0
+        sample = regenerator.finished.popleft()
+        if too_long == "skip":
+            assert isinstance(sample, RejectedSample)
+            assert "no room to generate turn 2" in sample.reason
+            assert f"data.max_length {max_length} (data.too_long: skip)" in sample.reason
+            assert regenerator.take_records(["s"]) == []
+            continue
+        # truncate: the turn generated is kept, the sample counted as truncated, the rest named.
+        assert isinstance(sample, EncodedSample) and sample.truncated
+        assert sample.input_ids.tolist() == [*request.prompt_ids.tolist(), *[7] * 8]
+        assert sample.loss_mask.tolist() == [0] * first_prompt + [1] * 8
+        (record,) = regenerator.take_records(["s"])
+        # the conversation up to the turn not generated: the data's answer is not shown as made
+        assert record["messages"][:2] == CONVERSATION[:2] and record["messages"][3:] == [CONVERSATION[3]]
+        assert record["messages"][2]["content"] != CONVERSATION[2]["content"]
+        assert [t["finish_reason"] for t in record["turns"]] == ["length"]
+        assert record["turns_not_generated"] == 1
+        assert generation_counts([record]).turns_not_generated == 1
+
+
+def test_a_conversation_whose_next_prompt_passes_max_length_is_cut_within_it(tiny_llama_dir: Path) -> None:
+    # The first answer ends with room to spare, but the next user turn does not fit: the sample
+    # ends inside that user turn, at data.max_length, as data.too_long: truncate cuts any sample.
+    probe = make_regenerator(tiny_llama_dir, "all_turns")
+    render = probe.encoder.render
+    first_prompt = len(probe.encoder.tokenize(render(CONVERSATION[:2], None, generation_prompt=True)))
+    max_length = first_prompt + 12
+    sample, requests = regenerate(
+        make_regenerator(tiny_llama_dir, "all_turns", max_length=max_length), CONVERSATION, ["It is 4."]
     )
+    assert len(requests) == 1 and isinstance(sample, EncodedSample) and sample.truncated
+    assert len(sample.input_ids) == max_length
+    full = probe.encoder.tokenize(render([*CONVERSATION[:3], CONVERSATION[3]], None, generation_prompt=True))
+    assert sample.input_ids.tolist() == [int(t) for t in full[:max_length]]
+    assert masked_text(probe.encoder, sample) == ["It is 4.<|eot_id|>"]
 
 
 def test_a_template_that_rewrites_earlier_turns_rejects_all_turns_and_last_turn_works(
@@ -337,6 +373,34 @@ def test_a_regenerated_run_lists_its_sidecars_and_counts(regenerated_run: tuple[
     assert totals["generated_tokens"] == sum(int(s.loss_mask.sum()) for s in samples.values())
     shard = Shard(index_dir / manifest["shards"][0]["name"])
     assert json.loads(shard.metadata["generation"]) == generation
+
+
+def test_conversations_that_fill_max_length_are_kept_truncated_and_counted(
+    tmp_path: Path, write_jsonl: Callable[..., Path], run_job: Callable[..., Any]
+) -> None:
+    # data.max_length 40: the two-turn conversations fill it before their second turn.
+    data = write_jsonl(tmp_path / "chat.jsonl", dataset(12))
+    out = tmp_path / "out"
+    result = run_job(
+        "run", f"--data.path={data}", f"--output.uri={out}", "--data.max_length=40", *GENERATE_ARGS
+    )
+    assert result.rc == 0, result.describe()
+    index_dir = out / "index-00000"
+    manifest = json.loads((index_dir / "manifest.json").read_text())
+    assert manifest["counts"]["written"] == 12 and manifest["counts"]["rejected"] == 0
+    samples = {s.sample_id: s for s in iter_output(index_dir, require_complete=True)}
+    lines = sidecar_lines(index_dir)
+    left = {sample_id: line["turns_not_generated"] for sample_id, line in lines.items()}
+    assert sum(left.values()) > 0, "no conversation filled data.max_length: the test needs a smaller one"
+    for sample_id, line in lines.items():
+        expected = {0: 2, 1: 2, 2: 1}[int(sample_id[1:]) % 3]
+        assert len(line["turns"]) + left[sample_id] == expected, line
+        assert len(samples[sample_id].input_ids) <= 40
+        assert int(samples[sample_id].loss_mask.sum()) == sum(t["generated_tokens"] for t in line["turns"])
+    assert manifest["generation"]["turns_not_generated"] == sum(left.values())
+    assert manifest["counts"]["truncated"] >= sum(n > 0 for n in left.values())
+    shown = run_job("inspect", str(out))
+    assert f"{sum(left.values())} not generated" in shown.stdout, shown.describe()
 
 
 def test_plan_counts_the_turns_and_bounds_the_tokens_the_run_generated(

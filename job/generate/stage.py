@@ -32,6 +32,7 @@ def generation_counts(records: list[dict[str, Any]]) -> GenerationCounts:
             counts.turns += 1
             counts.generated_tokens += turn["generated_tokens"]
             counts.cut_by_length += turn["finish_reason"] == "length"
+        counts.turns_not_generated += record["turns_not_generated"]
     return counts
 
 
@@ -71,8 +72,8 @@ class Regenerator:
         """Take a generated turn: queue the next, or finish the sample."""
         regeneration = self._active.pop(completion.request_id)
         self.generated_tokens += len(completion.token_ids)
-        seed = self.sampling.request_seed(regeneration.start.sample_id, len(regeneration.turns))
         sample_id = regeneration.start.sample_id
+        seed = self.sampling.request_seed(sample_id, len(regeneration.turns))
         try:
             self._turns.add_turn(regeneration, completion.token_ids, completion.finish_reason, seed)
         except SampleRejected as exc:
@@ -81,24 +82,34 @@ class Regenerator:
         if not regeneration.done:
             self._queue(regeneration)
             return
+        self._finish(regeneration)
+
+    def _finish(self, regeneration: Regeneration) -> None:
+        """The sample, and its sidecar line to keep until its shard is committed."""
         sample = self._turns.finish(regeneration, self.on_length)
         if isinstance(sample, EncodedSample):
             record = self._turns.record(regeneration)
             with self._records_lock:
-                self.records[sample_id] = record
+                self.records[regeneration.start.sample_id] = record
         self.finished.append(sample)
 
     def _queue(self, regeneration: Regeneration) -> None:
         sample_id, turn = regeneration.start.sample_id, len(regeneration.turns)
         budget = self._turns.budget(regeneration)
         if budget <= 0:
-            self.finished.append(
-                RejectedSample(
-                    sample_id,
-                    f"no room to generate turn {turn + 1}: the conversation already fills data.max_length "
-                    f"{self.max_length}",
+            # The turns so far fill data.max_length. data.too_long decides, as for a conversation
+            # kept as it is: truncate keeps what was generated (the sample is cut there, counted
+            # as truncated, the turns left ungenerated); skip rejects it.
+            if self.encoder.spec.too_long == "skip":
+                self.finished.append(
+                    RejectedSample(
+                        sample_id,
+                        f"no room to generate turn {turn + 1}: the conversation already fills "
+                        f"data.max_length {self.max_length} (data.too_long: skip)",
+                    )
                 )
-            )
+            else:
+                self._finish(regeneration)
             return
         request_id = f"{sample_id}#{turn}"
         self._active[request_id] = regeneration

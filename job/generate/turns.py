@@ -186,13 +186,17 @@ class TurnAssembler:
         mask = np.asarray(regeneration.mask[: self.max_length], np.uint8)
         if not mask.any():
             return RejectedSample(sample_id, "the regenerated turns left no tokens to train on")
-        return EncodedSample(sample_id, ids, mask, len(regeneration.ids) > self.max_length)
+        # truncated: cut at data.max_length, or stopped before its last turn (no room left for it)
+        truncated = len(regeneration.ids) > self.max_length or not regeneration.done
+        return EncodedSample(sample_id, ids, mask, truncated)
 
     def record(self, regeneration: Regeneration) -> dict[str, Any]:
-        """The sidecar line: the regenerated conversation, as text, with what made it."""
+        """The sidecar line: the regenerated conversation, as text, with what made it (where
+        data.max_length left no room for a turn: the messages before that turn)."""
+        messages = regeneration.messages
         return {
             "sample_id": regeneration.start.sample_id,
-            "messages": regeneration.messages,
+            "messages": messages if regeneration.done else messages[: regeneration.next_target],
             "tools": regeneration.start.conversation.tools,
             "turns": [
                 {
@@ -204,6 +208,7 @@ class TurnAssembler:
                 }
                 for t in regeneration.turns
             ],
+            "turns_not_generated": len(regeneration.start.targets) - len(regeneration.turns),
             "tokens": len(regeneration.ids),
         }
 
