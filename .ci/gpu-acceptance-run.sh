@@ -62,7 +62,8 @@ pipeline() {
     '{"enforce_eager": true, "kv_cache_memory_bytes": 2000000000}')
   local trained=$((end - 300)) # training stops here: serving and the report need the rest
   step heldout "$(box 300 600)" heldout -- "${job[@]}" "$@" "$(job_kv 2000000000)" &
-  step data "$(box 900 600)" data -- "${job[@]}" "$@" "$(job_kv 8000000000)"
+  # 16 GB: 694k tokens of SmolLM2's KV (23,040 B a token), room for 512 multi-turn conversations
+  step data "$(box 900 600)" data -- "${job[@]}" "$@" "$(job_kv 16000000000)"
   wait
   until_trained() { local l=$((trained - $(date +%s))); ((l < 5)) && l=5; echo $l; }
   has job_fp8 && {

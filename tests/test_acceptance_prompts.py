@@ -17,8 +17,11 @@ from job.benchmarks import acceptance
 HELDOUT = "What are the three primary colors?"
 
 
-def _conversation(conversation_id: str, first: str, first_from: str = "human") -> dict[str, Any]:
+def _conversation(conversation_id: str, first: str, first_from: str = "human", *more: str) -> dict[str, Any]:
+    """A conversation of user turns ``first, *more``, each answered."""
     turns = [{"from": first_from, "value": first}, {"from": "gpt", "value": "An answer."}]
+    for text in more:
+        turns += [{"from": "human", "value": text}, {"from": "gpt", "value": "Another answer."}]
     return {"id": conversation_id, "conversations": turns}
 
 
@@ -53,15 +56,15 @@ def test_the_sharegpt_conversations_before_the_cut_are_read_and_the_cut_is_count
     assert counts["conversations"] == len(CONVERSATIONS) - 1
     assert counts["bytes_read"] < counts["bytes"]
     assert prompts == [
-        ("sharegpt", "Summarize the plot of Hamlet."),
-        ("sharegpt", HELDOUT),
-        ("sharegpt", "Summarize the plot of Hamlet."),
-        ("sharegpt", "Write a haiku about autumn."),
+        ("sharegpt", ("Summarize the plot of Hamlet.",)),
+        ("sharegpt", (HELDOUT,)),
+        ("sharegpt", ("Summarize the plot of Hamlet.",)),
+        ("sharegpt", ("Write a haiku about autumn.",)),
     ]
     whole = _wheels(tmp_path / "whole", CONVERSATIONS, cut=0)
     prompts, counts = acceptance.sharegpt_prompts(whole / acceptance.SHAREGPT_WHEEL)
     assert counts["conversations"] == len(CONVERSATIONS)
-    assert prompts[-1] == ("sharegpt", "This conversation is cut off in the wheel.")
+    assert prompts[-1] == ("sharegpt", ("This conversation is cut off in the wheel.",))
 
 
 def test_the_training_prompts_leave_out_held_out_prompts_and_repeats(tmp_path: Path) -> None:
@@ -89,6 +92,41 @@ def test_the_training_prompts_leave_out_held_out_prompts_and_repeats(tmp_path: P
     assert state["read"]["sharegpt"]["conversations"] == len(CONVERSATIONS) - 1
     heldout = [json.loads(line) for line in (work / "prompts" / "heldout.jsonl").read_text().splitlines()]
     assert [record["messages"][0]["content"] for record in heldout] == [HELDOUT]
+
+
+def test_more_user_turns_make_conversations_the_target_answers_turn_by_turn(tmp_path: Path) -> None:
+    long = "Explain this in detail. " * 10
+    conversations = [
+        _conversation("a_0", "Name a fruit.", "human", "Another one?", "And a third?", "A fourth?"),
+        _conversation("b_0", "Name a tree.", "human", "Объясни подробнее.", "Why?"),  # not English
+        _conversation("c_0", "Name a river.", "human", HELDOUT, "Why?"),  # a held-out prompt
+        _conversation("d_0", "Name a city.", "human", long, "Why?"),  # over --max-prompt-chars
+    ]
+    wheels = _wheels(tmp_path, conversations, cut=0)
+    work = tmp_path / "work"
+    acceptance.main(
+        [
+            "prompts",
+            *("--work", str(work), "--wheels", str(wheels), "--results", ""),
+            *("--prompt-sets", "sharegpt", "--max-user-turns", "3", "--max-prompt-chars", "100"),
+        ]
+    )
+    records = [json.loads(line) for line in (work / "prompts" / "train.jsonl").read_text().splitlines()]
+    by_first = {record["messages"][0]["content"]: record["messages"] for record in records}
+
+    def asked(*texts: str) -> list[dict[str, str]]:  # user turns, the answers left to the target
+        messages = [{"role": "user", "content": texts[0]}]
+        for text in texts[1:]:
+            messages += [{"role": "assistant", "content": ""}, {"role": "user", "content": text}]
+        return messages
+
+    assert by_first == {
+        "Name a fruit.": asked("Name a fruit.", "Another one?", "And a third?"),  # the first 3
+        "Name a tree.": asked("Name a tree."),  # up to the first turn not in English
+        "Name a river.": asked("Name a river."),  # up to the held-out prompt
+        "Name a city.": asked("Name a city."),  # up to the turn that is too long
+    }
+    assert json.loads((work / "state.json").read_text())["prompts"]["train_user_turns"] == 6
 
 
 def test_a_prompt_set_whose_wheel_is_missing_names_the_download(tmp_path: Path) -> None:
