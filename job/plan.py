@@ -160,7 +160,9 @@ def plan_index(settings: JobSettings) -> str:
 class _GenerationGuess:
     """What regeneration will generate, guessed before any model runs: each turn as long as the
     data's own answer (capped at generate.max_new_tokens), a turn appended after a final user
-    turn at max_new_tokens; the sample is then the data's conversation so encoded."""
+    turn or in place of an empty answer at max_new_tokens, and all of a conversation's turns
+    within what data.max_length leaves after its first prompt; the sample is then the data's
+    conversation so encoded."""
 
     def __init__(self, setup: RunSetup) -> None:
         assert setup.sampling is not None
@@ -172,10 +174,11 @@ class _GenerationGuess:
     def add(self, start: GenerationStart) -> EncodedSample | RejectedSample:
         messages = start.conversation.messages
         turns = [min(self._answer_tokens(messages, t), self.max_new_tokens) for t in start.targets]
+        room = self.max_length - len(start.prompt_ids)  # the turns and what lies between them
         self.conversations += 1
         self.turns += len(turns)
-        self.guessed += sum(turns)
-        self.most += len(turns) * self.max_new_tokens
+        self.guessed += min(sum(turns), room)
+        self.most += min(len(turns) * self.max_new_tokens, room)
         kept = [m for i, m in enumerate(messages) if i not in start.targets or m["role"] != "assistant"]
         context = len(
             self.encoder.tokenize(self.encoder.render(kept, start.conversation.tools, generation_prompt=True))
@@ -188,7 +191,9 @@ class _GenerationGuess:
         if target >= len(messages):
             return self.max_new_tokens
         content = messages[target].get("content")
-        return len(self.encoder.tokenize(content)) + 1 if isinstance(content, str) else self.max_new_tokens
+        if not isinstance(content, str) or not content.strip():  # no answer to go by
+            return self.max_new_tokens
+        return len(self.encoder.tokenize(content)) + 1
 
     def rows(self) -> list[tuple[str, str]]:
         return [
