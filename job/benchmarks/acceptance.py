@@ -338,6 +338,8 @@ def step_neighbours(args: argparse.Namespace) -> None:
     each auxiliary layer l and of l - 1 and l + 1 (the job again, on the same tokens), and per
     answer token the relative distance ||h(l +- 1) - h(l)|| / ||h(l)|| and the cosine of the
     two, averaged."""
+    import torch
+
     from job.shards import iter_output
 
     work = Path(args.work)
@@ -355,8 +357,6 @@ def step_neighbours(args: argparse.Namespace) -> None:
         f"--data.max_length={args.max_length}",
         log="neighbours",
     )
-    import torch
-
     distance = {(layer, step): 0.0 for layer in aux for step in (-1, 1)}
     cosine = dict.fromkeys(distance, 0.0)
     counted = 0
