@@ -53,12 +53,13 @@ def test_vllm_accepts_what_the_draft_predicts_offline_and_a_layer_slip_shows(
     smollm2_dir: Path, job_env: dict[str, str], tmp_path: Path
 ) -> None:
     work = tmp_path / "acceptance"
+    rows = tmp_path / "results.jsonl"
     # a small step: vLLM's CPU runner warms up with a forward of a whole step's tokens
     engine = json.dumps({"enforce_eager": True, "block_size": 16, "max_num_batched_tokens": 512})
     command = [
         sys.executable, "-m", "job.benchmarks.acceptance",
-        "prompts", "heldout", "export", "train", "serve", "offline",
-        "--work", str(work), "--wheels", str(real_model_wheel_dir()), "--results", "",
+        "prompts", "heldout", "export", "train", "serve", "offline", "report",
+        "--work", str(work), "--wheels", str(real_model_wheel_dir()), "--results", str(rows),
         "--variants", "job_bf16", "--train-on", "heldout", "--train-prompts", "1", "--heldout-prompts", "8",
         "--max-length", "512", "--serve-max-tokens", "32",
         "--job-arg=--backend.name=vllm", "--job-arg=--backend.vllm.enforce_eager=true",
@@ -112,3 +113,21 @@ def test_vllm_accepts_what_the_draft_predicts_offline_and_a_layer_slip_shows(
     # the draft also reads the tokens of the answers it learned by heart, so not all do, and its
     # rate may come out near the right one's: 0.7431 against 0.75 with seed 1)
     assert len(shifted_differ) >= 3, summary
+
+    # a report made again by hand, with none of the training's arguments, still states what
+    # trained the drafts (the second GPU run's rows once said lr 3e-4, the report's default)
+    report = [sys.executable, "-m", "job.benchmarks.acceptance", "report", "--work", str(work)]
+    again = subprocess.run(
+        [*report, "--results", str(rows)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    written = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert sorted(row["variant"] for row in written) == [
+        "job_bf16",
+        "job_bf16",
+        "job_bf16_shifted_layers",
+        "job_bf16_shifted_layers",
+    ], written
+    for row in written:
+        assert row["draft"] == {"layers": 1, "vocab": 4096, "lr": 1e-3}, row
+        assert (row["dtype"], row["k"], row["epochs"], row["train_prompts"]) == ("float32", 1, 25, 1), row

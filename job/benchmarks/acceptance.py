@@ -528,6 +528,9 @@ def step_train(args: argparse.Namespace) -> None:
     _run_all(commands, work / "logs", len(commands) if args.train_parallel else 1)
     minutes = round((time.perf_counter() - started) / 60, 2)
     _record(args, "train", {variant: minutes for variant in args.variants})
+    # the report's rows state what trained each draft, not the report's own arguments
+    draft = {"layers": 1, "vocab": args.draft_vocab_size, "lr": args.lr}
+    _record(args, "draft", {variant: draft for variant in args.variants})
 
 
 def final_draft(save: Path) -> Path:
@@ -650,7 +653,10 @@ def serve_one(args: argparse.Namespace) -> None:
             run["other_answers"] = other_answers
         results.append(run)
     Path(args.result).write_text(
-        json.dumps({"draft": args.draft, "k": args.k_one, "runs": results}, indent=1)
+        json.dumps(
+            {"draft": args.draft, "model": args.model, "dtype": args.dtype, "k": args.k_one, "runs": results},
+            indent=1,
+        )
     )
 
 
@@ -788,13 +794,14 @@ def step_report(args: argparse.Namespace) -> None:
     rows = []
     for result in sorted((work / "serve").glob("*-k*.json")):
         variant = result.stem.rsplit("-k", 1)[0]
+        trained = "job_bf16" if variant == SHIFTED else variant
         served = json.loads(result.read_text())
         for run in served["runs"]:
             row = {
                 "run_id": run_id,
                 "config": "acceptance",
-                "model": args.model,
-                "dtype": args.dtype,
+                "model": served["model"],
+                "dtype": served["dtype"],
                 "variant": variant,
                 "k": served["k"],
                 "temperature": run["temperature"],
@@ -807,9 +814,9 @@ def step_report(args: argparse.Namespace) -> None:
                 "train_prompts": state.get("prompts", {}).get("train_prompts"),
                 "train_samples": state.get("data", {}).get("train_samples"),
                 "train_tokens": state.get("data", {}).get("train_tokens"),
-                "epochs": _epochs_trained(work, variant),
-                "draft": {"layers": 1, "vocab": args.draft_vocab_size, "lr": args.lr},
-                "train_minutes": state.get("train", {}).get("job_bf16" if variant == SHIFTED else variant),
+                "epochs": _epochs_trained(work, trained),
+                "draft": state.get("draft", {}).get(trained),
+                "train_minutes": state.get("train", {}).get(trained),
                 "gpu": gpu,
                 "cpu": platform.machine(),
                 "vllm": _version("vllm"),
@@ -854,9 +861,8 @@ def step_report(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------- helpers
 def _epochs_trained(work: Path, variant: str) -> int | None:
     """Epochs the served checkpoint had (a training stopped at a time limit keeps its last one)."""
-    save = work / "drafts" / ("job_bf16" if variant == SHIFTED else variant)
     try:
-        return int(final_draft(save).name) + 1
+        return int(final_draft(work / "drafts" / variant).name) + 1
     except (FileNotFoundError, SystemExit):
         return None
 
