@@ -17,7 +17,9 @@
 # Measured (H100, 2026-12-07, docs/acceptance.md): the whole pipeline 11 min 47 s; data of 4,066
 # prompts 170 s, FP8 61 s, extractor 93 s, three 10-epoch trainings at once 5.0-5.4 min each,
 # nine serving engines at once 73 s. Again with 10,462 ShareGPT and eval prompts, job_bf16 only
-# (ACC_VARIANTS=""): 12 min 55 s; data 262 s, one 6-epoch training 326 s, serving 101 s.
+# (ACC_VARIANTS=""): 12 min 55 s; data 262 s, one 6-epoch training 326 s, serving 101 s. Their
+# first two user turns (2026-12-08, `start 1080 -- --epochs 4`): 13 min 24 s; data 363 s, one
+# 4-epoch training 285 s, serving 78 s, offline 57 s.
 set -o pipefail
 run=/opt/acc-run  # the pipeline's logs and results, copied to each call's $OUT
 # the work (about 25 GB of hidden states): in memory where /dev/shm has the room

@@ -9,7 +9,8 @@
 #       (.real-model/, ignored); the training prompts `python -m job.benchmarks.acceptance prompts`
 #       makes with PROMPTS ARGS (default: --prompt-sets eval sharegpt, 10,462 prompts, one answer
 #       each, as in the second run of 2026-12-07; the first had --prompt-sets eval
-#       --samples-per-prompt 2; the next: --prompt-sets eval sharegpt --max-user-turns 3)
+#       --samples-per-prompt 2; the third, 2026-12-08: --prompt-sets eval sharegpt
+#       --max-user-turns 2; the next: --max-user-turns 3)
 # Then carry ".whl" in the call with the bundle's last part (docs/gpu.md).
 set -euo pipefail
 out=.whl
