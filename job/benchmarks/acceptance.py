@@ -800,8 +800,8 @@ def step_report(args: argparse.Namespace) -> None:
             row = {
                 "run_id": run_id,
                 "config": "acceptance",
-                "model": served["model"],
-                "dtype": served["dtype"],
+                "model": served.get("model"),  # None: served before it was recorded
+                "dtype": served.get("dtype"),
                 "variant": variant,
                 "k": served["k"],
                 "temperature": run["temperature"],
