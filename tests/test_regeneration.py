@@ -404,7 +404,7 @@ def test_conversations_that_fill_max_length_are_kept_truncated_and_counted(
     # plan's bound: every turn at max_new_tokens (12), within what max_length leaves after the
     # first prompt; the run generated no more
     planned = run_job("plan", f"--data.path={data}", "--data.max_length=40", *GENERATE_ARGS)
-    guess, most = generated_guess(planned)
+    guess, most = generated_guess(plan_rows(planned))
     bound = sum(
         min((len(line["turns"]) + line["turns_not_generated"]) * 12, 40 - line["turns"][0]["prompt_tokens"])
         for line in lines.values()
@@ -421,14 +421,18 @@ def test_plan_guesses_max_new_tokens_for_an_answer_left_empty(
         {"id": f"e{i}", "messages": [user(f"Question {i}?"), assistant(""), user("Why?")]} for i in range(3)
     ]
     data = write_jsonl(tmp_path / "empty.jsonl", records)
-    guess, most = generated_guess(run_job("plan", f"--data.path={data}", *GENERATE_ARGS))
+    guess, most = generated_guess(plan_rows(run_job("plan", f"--data.path={data}", *GENERATE_ARGS)))
     assert guess == most == 3 * 2 * 12
 
 
-def generated_guess(planned: Any) -> tuple[int, int]:
-    """``plan``'s generated tokens: (the guess, the most)."""
+def plan_rows(planned: Any) -> dict[str, str]:
+    """``plan``'s table: each row's name and its text."""
     assert planned.rc == 0, planned.describe()
-    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in planned.stdout.splitlines() if line.strip())
+    return dict(re.split(r"\s{2,}", line, maxsplit=1) for line in planned.stdout.splitlines() if line.strip())
+
+
+def generated_guess(rows: dict[str, str]) -> tuple[int, int]:
+    """``plan``'s generated tokens: (the guess, the most)."""
     ((guess, most),) = re.findall(r"about (\d+) .* up to (\d+)", rows["generated tokens"])
     return int(guess), int(most)
 
@@ -437,13 +441,13 @@ def test_plan_counts_the_turns_and_bounds_the_tokens_the_run_generated(
     regenerated_run: tuple[Path, Path], run_job: Callable[..., Any]
 ) -> None:
     data, index_dir = regenerated_run
-    result = run_job("plan", f"--data.path={data}", *GENERATE_ARGS)
-    guess, most = generated_guess(result)
+    rows = plan_rows(run_job("plan", f"--data.path={data}", *GENERATE_ARGS))
+    guess, most = generated_guess(rows)
     totals = json.loads((index_dir / "manifest.json").read_text())["generation"]
-    assert f"24 to regenerate ({totals['turns']} turns)" in result.stdout
+    assert rows["conversations"] == f"24 to regenerate ({totals['turns']} turns)"
     assert totals["generated_tokens"] <= most == totals["turns"] * 12
     assert 0 < guess <= most
-    assert "generation time" in result.stdout
+    assert "generation time" in rows
 
 
 def test_inspect_verifies_sidecars_and_finds_a_damaged_one(
